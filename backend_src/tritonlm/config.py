@@ -1,0 +1,48 @@
+"""Engine settings (`1/engine.json`) and the layout of a converted model directory."""
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+ENGINE_FILE = "engine.json"
+WEIGHTS_DIR = "weights"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    block_size: int = 16
+    # KV blocks to allocate; None sizes the cache from kv_cache_memory.
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int = 1 << 30
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    tensor_parallel_size: int = 1
+    device: str = "auto"
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "tensor_parallel_size", "kv_cache_memory"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+    @classmethod
+    def load(cls, model_dir: str | Path, **overrides) -> "EngineConfig":
+        path = Path(model_dir) / ENGINE_FILE
+        values = json.loads(path.read_text()) if path.exists() else {}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise ValueError(f"unknown engine settings {sorted(unknown)} in {path}")
+        return cls(**values)
+
+    def save(self, model_dir: str | Path) -> None:
+        path = Path(model_dir) / ENGINE_FILE
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")

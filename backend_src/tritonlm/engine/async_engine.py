@@ -1,0 +1,130 @@
+"""Runs the engine's step loop on its own thread; requests come in from any thread and results
+go out through per-request callbacks."""
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tritonlm.engine.llm_engine import LLMEngine, Request, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+@dataclass
+class _Handle:
+    request: Request
+    on_output: OutputCallback
+    is_cancelled: Callable[[], bool] | None
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._lock = threading.Condition()
+        self._incoming: list[_Handle] = []
+        self._aborts: list[str] = []
+        self._active: dict[str, _Handle] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="tritonlm-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, request: Request, on_output: OutputCallback,
+               is_cancelled: Callable[[], bool] | None = None) -> None:
+        """Queue a prepared request; `on_output` runs on the engine thread for every delta."""
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the engine is shutting down")
+            self._incoming.append(_Handle(request, on_output, is_cancelled))
+            self._lock.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+            self._lock.notify()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop; requests still in flight end with finish_reason 'abort'."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._stopping or self._incoming or self._aborts or self._active):
+                    self._lock.wait()
+                if self._stopping:
+                    break
+                incoming, self._incoming = self._incoming, []
+                aborts, self._aborts = self._aborts, []
+            for handle in incoming:
+                self._admit(handle)
+            for request_id in aborts + self._cancelled_ids():
+                self._abort(request_id)
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a failed step fails its requests, not the server
+                logger.exception("engine step failed")
+                self._fail_all(f"internal error in the engine step: {exc}")
+                continue
+            for output in outputs:
+                self._deliver(output)
+        self._fail_all(None)
+
+    def _admit(self, handle: _Handle) -> None:
+        try:
+            self.engine.add(handle.request)
+        except Exception as exc:
+            self._send(handle, _error_output(handle.request, str(exc)))
+            return
+        self._active[handle.request.request_id] = handle
+
+    def _cancelled_ids(self) -> list[str]:
+        return [rid for rid, h in self._active.items() if h.is_cancelled and h.is_cancelled()]
+
+    def _abort(self, request_id: str) -> None:
+        output = self.engine.abort(request_id)
+        if output is not None:
+            self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        handle = self._active.get(output.request_id)
+        if handle is None:
+            return
+        if output.finished:
+            del self._active[output.request_id]
+        if not self._send(handle, output) and not output.finished:
+            self._abort(output.request_id)
+
+    def _send(self, handle: _Handle, output: RequestOutput) -> bool:
+        try:
+            handle.on_output(output)
+            return True
+        except Exception:
+            logger.exception("delivering output for request %s failed", output.request_id)
+            return False
+
+    def _fail_all(self, error: str | None) -> None:
+        """End every active request: with `error`, or as aborted when error is None."""
+        for request_id in list(self._active):
+            output = self.engine.abort(request_id)
+            handle = self._active.pop(request_id)
+            if error is not None:
+                self._send(handle, _error_output(handle.request, error))
+            elif output is not None:
+                self._send(handle, output)
+
+
+def _error_output(request: Request, error: str) -> RequestOutput:
+    return RequestOutput(request.request_id, "", [], True, None, len(request.prompt_token_ids), 0,
+                         error=error)

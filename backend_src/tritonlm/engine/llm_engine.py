@@ -1,0 +1,183 @@
+"""The step loop: the scheduler picks sequences, the model runner runs them, the outputs go back."""
+import itertools
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from tritonlm.config import WEIGHTS_DIR, EngineConfig
+from tritonlm.engine.block_manager import BlockManager
+from tritonlm.engine.detokenizer import IncrementalDetokenizer
+from tritonlm.engine.model_runner import ModelRunner
+from tritonlm.engine.scheduler import Scheduler
+from tritonlm.engine.sequence import FinishReason, Sequence
+from tritonlm.errors import InvalidRequestError
+from tritonlm.models.loader import load_config
+from tritonlm.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """What one step added to a request: deltas, plus totals."""
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    """A validated, tokenized request, ready for the engine thread."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt_text: str | None = None
+
+
+class _Tracked:
+    def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer):
+        self.seq = seq
+        self.detokenizer = detokenizer
+        self.num_sent_tokens = 0
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """A model version directory (holding weights/) from it, its model directory or the default."""
+    path = Path(path)
+    if (path / WEIGHTS_DIR).is_dir():
+        return path
+    versions = sorted((p for p in path.glob("*") if p.name.isdigit() and (p / WEIGHTS_DIR).is_dir()),
+                      key=lambda p: int(p.name))
+    if not versions:
+        raise FileNotFoundError(f"{path} holds no converted model (no {WEIGHTS_DIR}/ directory)")
+    return versions[-1]
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, **overrides):
+        model_dir = resolve_model_dir(model_dir)
+        weights_dir = model_dir / WEIGHTS_DIR
+        self.config = EngineConfig.load(model_dir, **overrides)
+        self.hf_config = load_config(weights_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(weights_dir)
+        self.max_model_len = min(self.config.max_model_len,
+                                 getattr(self.hf_config, "max_position_embeddings", 1 << 30))
+        self.config.max_model_len = self.max_model_len
+        self.runner = ModelRunner(self.config, self.hf_config, weights_dir)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens,
+                                   self._eos_token_ids(weights_dir))
+        self.vocab_size = self.hf_config.vocab_size
+        self._seq_ids = itertools.count()
+        self._tracked: dict[str, _Tracked] = {}
+
+    def _eos_token_ids(self, weights_dir: Path) -> frozenset[int]:
+        ids = set()
+        generation_config = weights_dir / "generation_config.json"
+        sources = [getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id]
+        if generation_config.exists():
+            sources.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+        for value in sources:
+            ids.update(value if isinstance(value, list) else [value] if value is not None else [])
+        return frozenset(ids)
+
+    def make_request(self, request_id: str, prompt: str | list[int] | None = None,
+                     params: SamplingParams | None = None, messages: list[dict] | None = None
+                     ) -> Request:
+        """Validate and tokenize; raises InvalidRequestError. Safe to call from any thread."""
+        params = params or SamplingParams()
+        if (prompt is None) == (messages is None):
+            raise InvalidRequestError("give exactly one of a prompt (text or token ids) or messages")
+        if messages is not None:
+            prompt = self.render_chat(messages)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=messages is None)
+            text = prompt
+        else:
+            token_ids, text = list(prompt), None
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"input_ids {bad[:5]} are outside the vocabulary "
+                                          f"[0, {self.vocab_size})")
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
+                "it must be shorter to leave room for a new token")
+        if self.block_manager.blocks_for(len(token_ids) + 1) > self.block_manager.num_blocks:
+            raise InvalidRequestError(f"prompt of {len(token_ids)} tokens does not fit the KV cache")
+        return Request(request_id, token_ids, params, text)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The model's own chat template applied to `messages`, with the generation prompt."""
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list of {role, content} objects")
+        if not self.tokenizer.chat_template:
+            raise InvalidRequestError("this model has no chat template; send text_input instead")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def add(self, request: Request) -> None:
+        """Queue a prepared request; it joins the running batch at the next step."""
+        if request.request_id in self._tracked:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already running")
+        p = request.params
+        max_total = self.max_model_len
+        if p.max_tokens is not None:
+            max_total = min(max_total, len(request.prompt_token_ids) + p.max_tokens)
+        seed = p.seed if p.seed is not None else random.getrandbits(63)
+        seq = Sequence(next(self._seq_ids), request.request_id, request.prompt_token_ids, p, seed,
+                       max_total)
+        detokenizer = IncrementalDetokenizer(self.tokenizer.backend_tokenizer,
+                                             request.prompt_token_ids, p.skip_special_tokens,
+                                             p.stop, p.include_stop_str_in_output)
+        self._tracked[request.request_id] = _Tracked(seq, detokenizer)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request at once and free its blocks; its final output, if it was running."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        self.scheduler.finish(tracked.seq, FinishReason.ABORT)
+        return self._output(tracked)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration over the running batch; outputs for every request that advanced."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        sampled = self.runner.execute(plan)
+        outputs = []
+        for seq in self.scheduler.update(plan, sampled):
+            tracked = self._tracked[seq.request_id]
+            if tracked.detokenizer.add_tokens(seq.token_ids, final=seq.is_finished):
+                self.scheduler.finish(seq, FinishReason.STOP)
+            outputs.append(self._output(tracked))
+            if seq.is_finished:
+                del self._tracked[seq.request_id]
+        return outputs
+
+    def _output(self, tracked: _Tracked) -> RequestOutput:
+        seq = tracked.seq
+        new_tokens = seq.output_token_ids[tracked.num_sent_tokens:]
+        tracked.num_sent_tokens = seq.num_output_tokens
+        return RequestOutput(seq.request_id, tracked.detokenizer.take_delta(seq.is_finished),
+                             new_tokens, seq.is_finished, seq.finish_reason,
+                             seq.num_prompt_tokens, seq.num_output_tokens)

@@ -1,0 +1,121 @@
+"""Iteration-level scheduling: one token budget per step covers prefill chunks and decodes alike."""
+from collections import deque
+
+from tritonlm.engine.block_manager import BlockManager
+from tritonlm.engine.sequence import FinishReason, Sequence, SequenceStatus
+from tritonlm.engine.step_plan import SamplingRow, ScheduledChunk, StepPlan
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, eos_token_ids: frozenset[int]):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order; the last is preempted first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        """Pick this step's work: running sequences first, then waiting ones in arrival order."""
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+        scheduled: list[Sequence] = []
+        while self.running and len(scheduled) < len(self.running) and budget > 0:
+            seq = self.running[len(scheduled)]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, num_new, plan):
+                break  # seq itself was preempted: nothing admitted after it either
+            scheduled.append(seq)
+            budget -= self._schedule_chunk(seq, num_new, plan)
+        if not plan.preempted_seq_ids:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                num_new = min(seq.num_uncomputed_tokens, budget)
+                if not self.block_manager.can_grow(seq, num_new):
+                    break
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                budget -= self._schedule_chunk(seq, num_new, plan)
+        return plan
+
+    def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
+        """Preempt the most recently admitted sequences until `seq` fits; False if seq went too."""
+        while not self.block_manager.can_grow(seq, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            plan.preempted_seq_ids.append(victim.seq_id)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute later: the prompt and the tokens generated so far are prefilled again.
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _schedule_chunk(self, seq: Sequence, num_new: int, plan: StepPlan) -> int:
+        self.block_manager.grow(seq, num_new)
+        start = seq.num_computed_tokens
+        reaches_end = start + num_new == seq.num_tokens
+        sampling = None
+        if reaches_end:
+            p = seq.params
+            sampling = SamplingRow(p.temperature, p.top_k, p.top_p, seq.seed, seq.num_output_tokens)
+        plan.chunks.append(ScheduledChunk(seq.seq_id, seq.token_ids[start:start + num_new], start,
+                                          list(seq.block_table), sampling))
+        return num_new
+
+    def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
+        """Apply a step's results (seq_id -> new token); returns the sequences that grew."""
+        grown = []
+        by_id = {seq.seq_id: seq for seq in self.running}
+        for chunk in plan.chunks:
+            seq = by_id.get(chunk.seq_id)
+            if seq is None:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += len(chunk.token_ids)
+            if chunk.sampling is None:
+                continue
+            token = sampled[chunk.seq_id]
+            seq.token_ids.append(token)
+            grown.append(seq)
+            reason = self._token_stop_reason(seq, token)
+            if reason:
+                self.finish(seq, reason)
+        return grown
+
+    def _token_stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                return FinishReason.STOP
+        if seq.num_tokens >= seq.max_total_tokens:
+            return FinishReason.LENGTH
+        if self.block_manager.blocks_for(seq.num_tokens) > self.block_manager.num_blocks:
+            return FinishReason.LENGTH  # the whole KV cache could not hold one more token
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq` (finished or aborted) and free its blocks at once."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,5 @@
+"""Errors that travel back to one request without disturbing the others."""
+
+
+class InvalidRequestError(ValueError):
+    """A request's input or parameters are invalid; the message names the field and value."""

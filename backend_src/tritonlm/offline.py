@@ -1,0 +1,45 @@
+"""Offline batch generation: `LLM(path).generate(prompts, params)` without any server."""
+import itertools
+from dataclasses import dataclass, field
+
+from tritonlm.engine.llm_engine import LLMEngine
+from tritonlm.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class LLM:
+    """An engine in this process. `model` is a converted model directory (REPO/NAME or REPO/NAME/1);
+    keyword arguments override engine.json settings (e.g. num_kv_blocks=64, dtype="float32")."""
+
+    def __init__(self, model: str, **engine_overrides):
+        self.engine = LLMEngine(model, **engine_overrides)
+        self._ids = itertools.count()
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[CompletionOutput]:
+        """Generate for a prompt or a list of prompts (text or token-id lists), in input order."""
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        if not isinstance(params, list):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        results = {}
+        for prompt, p in zip(prompts, params):
+            request = self.engine.make_request(f"offline-{next(self._ids)}", prompt, p)
+            self.engine.add(request)
+            results[request.request_id] = CompletionOutput(request.prompt_token_ids)
+        while self.engine.has_unfinished:
+            for out in self.engine.step():
+                result = results[out.request_id]
+                result.text += out.text
+                result.token_ids += out.token_ids
+                result.finish_reason = out.finish_reason
+        return list(results.values())

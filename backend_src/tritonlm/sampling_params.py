@@ -1,0 +1,91 @@
+"""Per-request generation controls, validated once at the edge (vLLM names and defaults)."""
+import math
+from dataclasses import dataclass, field, fields
+
+from tritonlm.errors import InvalidRequestError
+
+# Keys of the contract that later issues implement; naming them gives a precise error.
+_NOT_YET_SUPPORTED = frozenset({
+    "min_p", "typical_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "n",
+    "best_of", "logprobs", "guided_json", "guided_regex", "watermark",
+})
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = None  # None: until EOS or the context limit
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name))
+        if self.max_tokens is not None and self.max_tokens < 1:
+            _bad("max_tokens", self.max_tokens, "must be >= 1")
+        if self.min_tokens < 0:
+            _bad("min_tokens", self.min_tokens, "must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            _bad("temperature", self.temperature, "must be a finite number >= 0")
+        if self.top_k < 0:
+            _bad("top_k", self.top_k, "must be >= 0 (0 disables it)")
+        if not 0 < self.top_p <= 1:
+            _bad("top_p", self.top_p, "must be in (0, 1]")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            _bad("seed", self.seed, "must be in [0, 2**63)")
+        if any(not s for s in self.stop):
+            _bad("stop", self.stop, "must not contain empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            _bad("stop_token_ids", self.stop_token_ids, "must be non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SamplingParams":
+        """Build from a JSON-like dict; unknown keys and bad values raise InvalidRequestError."""
+        known = {f.name for f in fields(cls)}
+        for key in values:
+            if key in _NOT_YET_SUPPORTED:
+                raise InvalidRequestError(f"sampling parameter {key!r} is not supported yet")
+            if key not in known:
+                raise InvalidRequestError(
+                    f"unknown sampling parameter {key!r}; known: {', '.join(sorted(known))}")
+        return cls(**values)
+
+
+_FIELD_TYPES = {
+    "max_tokens": (int, type(None)), "min_tokens": int, "temperature": (int, float),
+    "top_k": int, "top_p": (int, float), "seed": (int, type(None)), "stop": list,
+    "stop_token_ids": list, "include_stop_str_in_output": bool, "ignore_eos": bool,
+    "skip_special_tokens": bool,
+}
+_ELEMENT_TYPES = {"stop": str, "stop_token_ids": int}
+
+
+def _check_type(name: str, value) -> None:
+    expected = _FIELD_TYPES[name]
+    wrong_bool = isinstance(value, bool) and expected is not bool
+    if wrong_bool or not isinstance(value, expected):
+        _bad(name, value, f"has the wrong type {type(value).__name__}")
+    element = _ELEMENT_TYPES.get(name)
+    if element and any(isinstance(v, bool) or not isinstance(v, element) for v in value):
+        _bad(name, value, f"must be a list of {element.__name__}")
+
+
+def _bad(name: str, value, why: str):
+    raise InvalidRequestError(f"{name} {why}, got {value!r}")

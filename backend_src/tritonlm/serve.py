@@ -1,0 +1,239 @@
+"""`tritonlm-serve`: run the tritonserver bundled in the nvidia-pytriton wheel on a model repository.
+
+The wheel ships tritonserver, the Python backend and one backend stub per Python version. We
+assemble a backend directory for the running interpreter, put this interpreter's bin/ first on PATH
+(the stub embeds libpython and locates its prefix -- hence the venv's site-packages -- by finding
+`python3` on PATH) and the wheel's bundled libraries on LD_LIBRARY_PATH.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+PY_VERSION = f"{sys.version_info[0]}.{sys.version_info[1]}"
+
+
+class ServeError(RuntimeError):
+    """The bundled server cannot be launched (missing wheel, stub or system library)."""
+
+
+def pytriton_root() -> Path:
+    """Directory of the installed `pytriton` package, found without importing it."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServeError("nvidia-pytriton is not installed: pip install 'tritonlm[serve]'")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _backend_files(root: Path) -> dict[str, Path]:
+    py = root / "tritonserver" / "backends" / "python"
+    stub = root / "tritonserver" / "python_backend_stubs" / PY_VERSION / "triton_python_backend_stub"
+    files = {"libtriton_python.so": py / "libtriton_python.so",
+             "triton_python_backend_utils.py": py / "triton_python_backend_utils.py",
+             "triton_python_backend_stub": stub}
+    for path in files.values():
+        if not path.exists():
+            raise ServeError(f"nvidia-pytriton lacks {path} (no Python backend stub for Python {PY_VERSION}?)")
+    return files
+
+
+def _links_ok(target: Path, files: dict[str, Path]) -> bool:
+    return all((target / "python" / n).resolve() == p.resolve() for n, p in files.items())
+
+
+def _build_links(parent: Path, target: Path, files: dict[str, Path]) -> None:
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=".build-"))
+    try:
+        (tmp / "python").mkdir()
+        for name, path in files.items():
+            (tmp / "python" / name).symlink_to(path.resolve())
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)  # atomic rename: readers see the old or the complete new dir
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def backend_directory(root: Path | None = None) -> Path:
+    """A reusable backend directory (python/ holding symlinks into the wheel) for this interpreter."""
+    root = root or pytriton_root()
+    files = _backend_files(root)
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tritonlm"
+    key = hashlib.sha1(str(root.resolve()).encode()).hexdigest()[:12]
+    for parent in (base, Path(tempfile.gettempdir()) / f"tritonlm-{os.getuid()}"):
+        target = parent / f"backends-py{PY_VERSION}-{key}"
+        if not _links_ok(target, files):
+            try:
+                _build_links(parent, target, files)
+            except OSError:
+                pass  # unwritable, or a concurrent launcher replaced it first
+        if _links_ok(target, files):
+            return target
+    raise ServeError(f"cannot create a backend directory under {base} or {tempfile.gettempdir()}")
+
+
+def _check_libpython(stub: Path, env: dict) -> None:
+    """Fail early when the system libpython the stub links against is missing."""
+    if shutil.which("ldd"):
+        out = subprocess.run(["ldd", str(stub)], env=env, capture_output=True, text=True).stdout
+        missing = [ln.split()[0] for ln in out.splitlines() if "not found" in ln]
+    else:
+        missing = [] if ctypes.util.find_library(f"python{PY_VERSION}") else [f"libpython{PY_VERSION}"]
+    if missing:
+        hint = f" (apt-get install libpython{PY_VERSION})" if any("libpython" in m for m in missing) else ""
+        raise ServeError(f"the Python backend stub needs {', '.join(missing)}{hint}")
+
+
+def build_command(repo, http_port=8000, grpc_port=8001, metrics_port=8002, log_verbose=0,
+                  extra_args=()) -> tuple[list[str], dict[str, str]]:
+    """argv and environment that run the bundled tritonserver on `repo`."""
+    repo = Path(repo)
+    if not repo.is_dir():
+        raise ServeError(f"model repository {repo} is not a directory")
+    root = pytriton_root()
+    server = root / "tritonserver" / "bin" / "tritonserver"
+    if not server.exists():
+        raise ServeError(f"nvidia-pytriton lacks {server}")
+    backends = backend_directory(root)
+    env = dict(os.environ)
+    libs = str(root.parent / "nvidia_pytriton.libs")
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [libs, env.get("LD_LIBRARY_PATH")]))
+    env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
+    _check_libpython(backends / "python" / "triton_python_backend_stub", env)
+    argv = [str(server), f"--model-repository={repo.resolve()}", f"--backend-directory={backends}",
+            f"--cache-directory={root / 'tritonserver' / 'caches'}",
+            f"--http-port={http_port}", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}",
+            "--allow-metrics=true", f"--log-verbose={log_verbose}",
+            "--exit-on-error=true", "--strict-readiness=true", "--disable-auto-complete-config"]
+    if not Path("/dev/nvidiactl").exists():
+        argv.append("--allow-gpu-metrics=false")  # no NVML here: skip the DCGM/NVML probe
+    return argv + list(extra_args), env
+
+
+def _get_json(url: str, method: str = "GET", timeout: float = 2.0):
+    req = urllib.request.Request(url, method=method, data=b"{}" if method == "POST" else None)
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        body = resp.read()
+        return json.loads(body) if body else None
+
+
+class TritonServerProcess:
+    """tritonserver as a child process (its own session, terminated if this process dies)."""
+
+    def __init__(self, repo, http_port=8000, grpc_port=8001, metrics_port=8002, log_verbose=0,
+                 extra_args=(), stdout=None, stderr=None):
+        self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        self.argv, self.env = build_command(repo, http_port, grpc_port, metrics_port, log_verbose, extra_args)
+        self._io = (stdout, stderr)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "TritonServerProcess":
+        """Launch the server; returns at once (see wait_ready)."""
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self._io[0], stderr=self._io[1],
+                                     start_new_session=True, preexec_fn=_die_with_parent)
+        return self
+
+    def is_ready(self) -> bool:
+        """True when /v2/health/ready answers 200."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/v2/health/ready", timeout=1):
+                return True
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float | None = None, poll: float = 0.25) -> bool:
+        """Block until ready (True), the server exits (False) or `timeout` passes (TimeoutError)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.proc.poll() is None:
+            if self.is_ready():
+                return True
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"tritonserver not ready after {timeout}s")
+            time.sleep(poll)
+        return False
+
+    def model_names(self) -> list[str]:
+        """Names of the models in the repository index."""
+        index = _get_json(f"http://127.0.0.1:{self.http_port}/v2/repository/index", "POST") or []
+        return [m["name"] for m in index]
+
+    def send_signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 40.0) -> int:
+        """SIGTERM, wait up to `timeout` seconds, then SIGKILL; returns the exit code."""
+        self.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the launcher dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="tritonlm-serve", description=__doc__.splitlines()[0],
+                                     epilog="Arguments after -- go to tritonserver unchanged.")
+    parser.add_argument("--model-repository", required=True, type=Path)
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--log-verbose", type=int, default=0)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, extra = parser.parse_args(argv[:cut]), argv[cut + 1:]
+    try:
+        server = TritonServerProcess(args.model_repository, args.http_port, args.grpc_port,
+                                     args.metrics_port, args.log_verbose, extra)
+    except ServeError as err:
+        print(f"tritonlm-serve: error: {err}", file=sys.stderr)
+        return 2
+    forward = lambda sig, _frame: server.send_signal(sig)  # noqa: E731
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    server.start()
+    if server.wait_ready():
+        try:
+            models = ", ".join(server.model_names()) or "(none)"
+        except OSError:
+            models = "(unknown)"
+        print(f"tritonlm-serve: ready\n  HTTP    http://127.0.0.1:{args.http_port}\n"
+              f"  gRPC    127.0.0.1:{args.grpc_port}\n  metrics http://127.0.0.1:{args.metrics_port}/metrics\n"
+              f"  models  {models}", flush=True)
+        code = server.proc.wait()
+    else:
+        code = server.proc.returncode
+        print(f"tritonlm-serve: tritonserver exited with code {code} before becoming ready", file=sys.stderr)
+        code = code or 1
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The tensor contract of the served model (shared/design/triton-io.md).
+
+One table serves the converter (which writes config.pbtxt from it) and the adapter (which reads
+requests by it), so the two cannot drift apart. No Triton import here.
+"""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    data_type: str  # config.pbtxt spelling without the TYPE_ prefix
+    dims: tuple[int, ...]
+
+
+# Scalar sampling keys that may also arrive as individual tensors.
+SAMPLING_TENSORS = (
+    TensorSpec("max_tokens", "INT32", (1,)),
+    TensorSpec("min_tokens", "INT32", (1,)),
+    TensorSpec("temperature", "FP32", (1,)),
+    TensorSpec("top_k", "INT32", (1,)),
+    TensorSpec("top_p", "FP32", (1,)),
+    TensorSpec("seed", "INT64", (1,)),
+    TensorSpec("ignore_eos", "BOOL", (1,)),
+    TensorSpec("include_stop_str_in_output", "BOOL", (1,)),
+    TensorSpec("skip_special_tokens", "BOOL", (1,)),
+    TensorSpec("stop", "BYTES", (-1,)),
+    TensorSpec("stop_token_ids", "INT64", (-1,)),
+)
+
+RETURN_FLAGS = (
+    "return_finish_reason",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+    "return_token_ids",
+)
+
+INPUTS = (
+    TensorSpec("text_input", "STRING", (1,)),
+    TensorSpec("input_ids", "INT64", (-1,)),
+    TensorSpec("messages", "STRING", (1,)),
+    TensorSpec("stream", "BOOL", (1,)),
+    TensorSpec("sampling_parameters", "STRING", (1,)),
+    TensorSpec("exclude_input_in_output", "BOOL", (1,)),
+    *(TensorSpec(flag, "BOOL", (1,)) for flag in RETURN_FLAGS),
+    *SAMPLING_TENSORS,
+)
+
+OUTPUTS = (
+    TensorSpec("text_output", "STRING", (-1,)),
+    TensorSpec("token_ids", "INT64", (-1,)),
+    TensorSpec("finish_reason", "STRING", (-1,)),
+    TensorSpec("num_input_tokens", "UINT32", (1,)),
+    TensorSpec("num_output_tokens", "UINT32", (-1,)),
+)
+
+
+def _tensor_block(spec: TensorSpec, optional: bool) -> str:
+    dims = ", ".join(str(d) for d in spec.dims)
+    lines = [f'    name: "{spec.name}"', f"    data_type: TYPE_{spec.data_type}", f"    dims: [ {dims} ]"]
+    if optional:
+        lines.append("    optional: true")
+    return "  {\n" + "\n".join(lines) + "\n  }"
+
+
+def render_config_pbtxt(name: str, instance_kind: str, parameters: dict[str, str]) -> str:
+    """config.pbtxt for a decoupled Python-backend model serving this contract."""
+    inputs = ",\n".join(_tensor_block(s, optional=True) for s in INPUTS)
+    outputs = ",\n".join(_tensor_block(s, optional=False) for s in OUTPUTS)
+    params = "\n".join(
+        f'parameters {{\n  key: "{key}"\n  value: {{ string_value: "{value}" }}\n}}'
+        for key, value in sorted(parameters.items())
+    )
+    return (
+        f'name: "{name}"\n'
+        'backend: "python"\n'
+        "max_batch_size: 0\n"
+        "model_transaction_policy {\n  decoupled: true\n}\n"
+        f"input [\n{inputs}\n]\n"
+        f"output [\n{outputs}\n]\n"
+        f"instance_group [\n  {{\n    count: 1\n    kind: {instance_kind}\n  }}\n]\n"
+        f"{params}\n"
+    )
