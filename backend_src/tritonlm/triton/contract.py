@@ -24,7 +24,7 @@ SAMPLING_TENSORS = (
     TensorSpec("ignore_eos", "BOOL", (1,)),
     TensorSpec("include_stop_str_in_output", "BOOL", (1,)),
     TensorSpec("skip_special_tokens", "BOOL", (1,)),
-    TensorSpec("stop", "BYTES", (-1,)),
+    TensorSpec("stop", "STRING", (-1,)),
     TensorSpec("stop_token_ids", "INT64", (-1,)),
 )
 

@@ -1,0 +1,85 @@
+"""The Triton Python-backend model: translates between Triton requests and the engine.
+
+`execute()` only validates and enqueues; the engine thread steps the batch and sends responses.
+"""
+import json
+import logging
+import uuid
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+from tritonlm.engine.async_engine import AsyncEngine
+from tritonlm.engine.llm_engine import LLMEngine, RequestOutput
+from tritonlm.errors import InvalidRequestError
+from tritonlm.triton.request_parser import parse_request
+from tritonlm.triton.response_builder import ResponseBuilder
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+logger = logging.getLogger("tritonlm")
+
+
+def _error_response(message: str, code=None) -> "pb_utils.InferenceResponse":
+    error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException("tritonlm needs model_transaction_policy.decoupled")
+        overrides = {}
+        if args.get("model_instance_kind") == "GPU":
+            overrides["device"] = f"cuda:{args['model_instance_device_id']}"
+        model_dir = Path(args["model_repository"]) / args["model_version"]
+        self.engine = LLMEngine(model_dir, **overrides)
+        self.async_engine = AsyncEngine(self.engine)
+        self.async_engine.start()
+        logger.info("tritonlm serving %s: %d KV blocks of %d tokens, max_model_len %d",
+                    model_dir, self.engine.runner.num_blocks, self.engine.config.block_size,
+                    self.engine.max_model_len)
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._enqueue(request, sender)
+            except InvalidRequestError as exc:
+                sender.send(_error_response(str(exc), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
+            except Exception as exc:
+                logger.exception("could not enqueue a request")
+                sender.send(_error_response(f"internal error: {exc}"), flags=FINAL)
+        return None
+
+    def _enqueue(self, request, sender) -> None:
+        def get(name):
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
+
+        parsed = parse_request(get, request.parameters())
+        request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
+        prepared = self.engine.make_request(request_id, parsed.prompt, parsed.params,
+                                            parsed.messages)
+        prompt_text = prepared.prompt_text
+        if prompt_text is None and not parsed.exclude_input_in_output:
+            prompt_text = self.engine.tokenizer.decode(prepared.prompt_token_ids)
+        builder = ResponseBuilder(parsed, prompt_text or "")
+
+        def on_output(out: RequestOutput) -> None:
+            flags = FINAL if out.finished else 0
+            if out.error is not None:
+                sender.send(_error_response(out.error), flags=FINAL)
+            elif out.finish_reason == "abort" and sender.is_cancelled():
+                sender.send(flags=FINAL)
+            else:
+                arrays = builder.on_output(out)
+                if arrays is not None:
+                    tensors = [pb_utils.Tensor(name, value) for name, value in arrays.items()]
+                    sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
+
+        self.async_engine.submit(prepared, on_output, sender.is_cancelled)
+
+    def finalize(self):
+        self.async_engine.shutdown()

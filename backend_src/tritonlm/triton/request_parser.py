@@ -1,0 +1,119 @@
+"""Reads one Triton request (input tensors and parameters) into engine terms. No Triton import:
+the adapter passes a tensor getter, so this is testable on plain numpy arrays."""
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from tritonlm.errors import InvalidRequestError
+from tritonlm.sampling_params import SamplingParams
+from tritonlm.triton.contract import RETURN_FLAGS, SAMPLING_TENSORS
+
+TensorGetter = Callable[[str], np.ndarray | None]
+_LIST_KEYS = {"stop", "stop_token_ids"}
+
+
+@dataclass
+class ParsedRequest:
+    prompt: str | list[int] | None
+    messages: list | None
+    params: SamplingParams
+    stream: bool
+    exclude_input_in_output: bool
+    return_flags: frozenset[str]
+
+
+def parse_request(get: TensorGetter, parameters_json: str | None) -> ParsedRequest:
+    """Raises InvalidRequestError naming the offending input."""
+    prompt, messages = _read_prompt(get)
+    sampling = _json_object(_text(get, "sampling_parameters"), "sampling_parameters")
+    sampling.update(_request_parameters(parameters_json))
+    sampling.update(_sampling_tensors(get))
+    return ParsedRequest(
+        prompt=prompt,
+        messages=messages,
+        params=SamplingParams.from_dict(sampling),
+        stream=_flag(get, "stream", False),
+        exclude_input_in_output=_flag(get, "exclude_input_in_output", True),
+        return_flags=frozenset(f for f in RETURN_FLAGS if _flag(get, f, False)),
+    )
+
+
+def _read_prompt(get: TensorGetter) -> tuple[str | list[int] | None, list | None]:
+    text = _text(get, "text_input")
+    ids = get("input_ids")
+    messages = _text(get, "messages")
+    given = [name for name, v in (("text_input", text), ("input_ids", ids), ("messages", messages))
+             if v is not None]
+    if len(given) != 1:
+        raise InvalidRequestError(
+            f"send exactly one of text_input, input_ids or messages (got {given or 'none'})")
+    if messages is not None:
+        try:
+            return None, json.loads(messages)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"messages is not valid JSON: {exc}") from None
+    if ids is not None:
+        return [int(t) for t in np.asarray(ids).reshape(-1)], None
+    return text, None
+
+
+def _decode(value, name: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidRequestError(f"{name} is not valid UTF-8: {exc}") from None
+    return str(value)
+
+
+def _text(get: TensorGetter, name: str) -> str | None:
+    array = get(name)
+    if array is None:
+        return None
+    flat = np.asarray(array, dtype=object).reshape(-1)
+    if flat.size != 1:
+        raise InvalidRequestError(f"{name} must hold exactly one string, got {flat.size}")
+    return _decode(flat[0], name)
+
+
+def _flag(get: TensorGetter, name: str, default: bool) -> bool:
+    array = get(name)
+    return default if array is None else bool(np.asarray(array).reshape(-1)[0])
+
+
+def _json_object(text: str | None, name: str) -> dict:
+    if text is None or not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _request_parameters(parameters_json: str | None) -> dict:
+    # Triton's HTTP generate endpoint passes JSON fields that are not inputs as parameters;
+    # keys Triton itself adds start with "triton_".
+    params = _json_object(parameters_json, "request parameters")
+    return {k: v for k, v in params.items() if not k.startswith("triton_")}
+
+
+def _sampling_tensors(get: TensorGetter) -> dict:
+    values = {}
+    for spec in SAMPLING_TENSORS:
+        array = get(spec.name)
+        if array is None:
+            continue
+        flat = [_decode(v, spec.name) if isinstance(v, bytes) else v.item()
+                for v in np.asarray(array).reshape(-1)]
+        if spec.name in _LIST_KEYS:
+            values[spec.name] = flat
+        elif len(flat) != 1:
+            raise InvalidRequestError(f"{spec.name} must hold one value, got {len(flat)}")
+        else:
+            values[spec.name] = flat[0]
+    return values
