@@ -1,0 +1,157 @@
+"""Block manager and scheduler, torch-free: continuous batching, token budget, preemption."""
+import sys
+
+import pytest
+
+from tritonlm.engine.block_manager import BlockManager
+from tritonlm.engine.scheduler import Scheduler
+from tritonlm.engine.sequence import FinishReason, Sequence, SequenceStatus
+from tritonlm.sampling_params import SamplingParams
+
+EOS = 0
+
+
+def make_seq(seq_id, prompt_len, max_tokens=100, **params):
+    p = SamplingParams(max_tokens=max_tokens, temperature=0, **params)
+    return Sequence(seq_id, f"r{seq_id}", list(range(1, prompt_len + 1)), p, seed=seq_id,
+                    max_total_tokens=prompt_len + max_tokens)
+
+
+def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=64):
+    bm = BlockManager(num_blocks, block_size)
+    return Scheduler(bm, max_num_seqs, budget, frozenset({EOS})), bm
+
+
+def run_step(sched, token=7):
+    plan = sched.schedule()
+    sampled = {c.seq_id: token for c in plan.chunks if c.sampling is not None}
+    sched.update(plan, sampled)
+    return plan
+
+
+def test_block_manager_allocates_frees_and_counts_refs():
+    bm = BlockManager(4, 4)
+    seq = make_seq(0, 6)
+    assert bm.num_missing_blocks(seq, 6) == 2
+    bm.grow(seq, 6)
+    assert len(seq.block_table) == 2 and bm.num_free_blocks == 2
+    assert all(bm.ref_counts[b] == 1 for b in seq.block_table)
+    seq.num_computed_tokens = 6
+    assert bm.num_missing_blocks(seq, 2) == 0  # slots 6 and 7 fit in the second block
+    assert bm.num_missing_blocks(seq, 3) == 1
+    other = make_seq(1, 12)
+    assert not bm.can_grow(other, 12)
+    with pytest.raises(RuntimeError):
+        bm.grow(other, 12)
+    blocks = list(seq.block_table)
+    bm.free(seq)
+    assert seq.block_table == [] and bm.num_free_blocks == 4
+    assert all(bm.ref_counts[b] == 0 for b in blocks)
+
+
+def test_new_requests_join_the_running_batch_at_the_next_step():
+    sched, _ = make_scheduler()
+    a = make_seq(0, 5)
+    sched.add(a)
+    plan = run_step(sched)
+    assert [(c.seq_id, len(c.token_ids), c.start_pos) for c in plan.chunks] == [(0, 5, 0)]
+    b = make_seq(1, 3)
+    sched.add(b)
+    plan = run_step(sched)
+    assert [(c.seq_id, len(c.token_ids), c.start_pos) for c in plan.chunks] == [(0, 1, 5), (1, 3, 0)]
+    assert all(c.sampling is not None for c in plan.chunks)
+    assert a.num_output_tokens == 2 and b.num_output_tokens == 1
+
+
+def test_finished_sequences_leave_at_once_and_free_blocks():
+    sched, bm = make_scheduler()
+    a, b = make_seq(0, 4, max_tokens=1), make_seq(1, 4, max_tokens=3)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    assert a.is_finished and a.finish_reason == FinishReason.LENGTH and a.block_table == []
+    assert sched.running == [b]
+    run_step(sched, token=EOS)
+    assert b.finish_reason == FinishReason.STOP
+    assert not sched.has_unfinished and bm.num_free_blocks == bm.num_blocks
+
+
+def test_eos_respects_min_tokens_and_ignore_eos():
+    sched, _ = make_scheduler()
+    a = make_seq(0, 4, min_tokens=2)
+    b = make_seq(1, 4, ignore_eos=True, max_tokens=3)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched, token=EOS)
+    assert not a.is_finished and not b.is_finished
+    run_step(sched, token=EOS)
+    assert a.finish_reason == FinishReason.STOP
+    run_step(sched, token=EOS)
+    assert b.finish_reason == FinishReason.LENGTH and b.num_output_tokens == 3
+
+
+def test_token_budget_chunks_long_prompts():
+    sched, _ = make_scheduler(num_blocks=32, budget=8)
+    running = make_seq(0, 4)
+    sched.add(running)
+    run_step(sched)
+    long = make_seq(1, 20)
+    sched.add(long)
+    plan = run_step(sched)
+    assert [(c.seq_id, len(c.token_ids)) for c in plan.chunks] == [(0, 1), (1, 7)]
+    assert plan.chunks[1].sampling is None and long.num_output_tokens == 0
+    plan = run_step(sched)
+    assert [(c.seq_id, len(c.token_ids), c.start_pos) for c in plan.chunks] == [(0, 1, 5), (1, 7, 7)]
+    plan = run_step(sched)
+    assert [(c.seq_id, len(c.token_ids), c.start_pos) for c in plan.chunks] == [(0, 1, 6), (1, 6, 14)]
+    assert plan.chunks[1].sampling is not None and long.num_output_tokens == 1
+
+
+def test_preemption_evicts_the_most_recent_and_recomputes_it_later():
+    sched, bm = make_scheduler(num_blocks=4, block_size=4)
+    a, b = make_seq(0, 8), make_seq(1, 8)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)  # both prefilled: 2 full blocks each
+    assert bm.num_free_blocks == 0
+    plan = run_step(sched)  # a needs a third block: b (admitted last) is preempted
+    assert plan.preempted_seq_ids == [1]
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
+    assert sched.waiting[0] is b and b.num_output_tokens == 1  # its generated token is kept
+    assert [c.seq_id for c in plan.chunks] == [0]
+    sched.finish(a, FinishReason.ABORT)
+    plan = run_step(sched)
+    chunk, = plan.chunks
+    assert chunk.seq_id == 1 and len(chunk.token_ids) == 9 and chunk.start_pos == 0
+    assert b.num_output_tokens == 2
+
+
+def test_a_sequence_larger_than_the_cache_finishes_with_length():
+    sched, bm = make_scheduler(num_blocks=2, block_size=4)
+    seq = make_seq(0, 7)
+    sched.add(seq)
+    for _ in range(5):
+        run_step(sched)
+        if seq.is_finished:
+            break
+    assert seq.finish_reason == FinishReason.LENGTH and seq.num_tokens == 9
+    assert bm.num_free_blocks == 2
+
+
+def test_max_num_seqs_limits_the_batch():
+    sched, _ = make_scheduler(max_num_seqs=2)
+    seqs = [make_seq(i, 2) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    plan = run_step(sched)
+    assert [c.seq_id for c in plan.chunks] == [0, 1]
+    sched.finish(seqs[0], FinishReason.ABORT)
+    plan = run_step(sched)
+    assert [c.seq_id for c in plan.chunks] == [1, 2]
+
+
+def test_engine_core_imports_no_torch():
+    import subprocess
+    code = ("import sys; import tritonlm.engine.scheduler, tritonlm.engine.block_manager, "
+            "tritonlm.engine.sequence; assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
