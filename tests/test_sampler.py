@@ -1,0 +1,85 @@
+"""The batched sampler: greedy, temperature, top-k, top-p and seeds, per row."""
+import torch
+
+from tritonlm.layers.sampler import SamplingTensors, sample
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
+CHI2_DF7_P001 = 24.32  # chi-square critical value, 7 degrees of freedom, p = 0.001
+
+
+def tensors(rows, temperature=1.0, top_k=0, top_p=1.0, seeds=None, steps=None):
+    def full(value, dtype):
+        return torch.full((rows,), value, dtype=dtype) if not torch.is_tensor(value) else value
+    t = full(temperature, torch.float32)
+    k = full(top_k, torch.int64)
+    p = full(top_p, torch.float32)
+    return SamplingTensors(t, k, p,
+                           seeds if seeds is not None else torch.arange(rows, dtype=torch.int64),
+                           steps if steps is not None else torch.zeros(rows, dtype=torch.int64),
+                           all_greedy=bool((t == 0).all()),
+                           needs_truncation=bool(((k > 0) | (p < 1)).any()))
+
+
+def frequencies(n, **kw):
+    tokens = sample(LOGITS.expand(n, -1), tensors(n, **kw))
+    return torch.bincount(tokens, minlength=LOGITS.numel()).double()
+
+
+def test_temperature_one_matches_softmax_chi_square():
+    n = 20000
+    observed = frequencies(n)
+    expected = torch.softmax(LOGITS.double(), -1) * n
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_DF7_P001
+
+
+def test_temperature_scales_the_distribution():
+    n = 20000
+    observed = frequencies(n, temperature=0.5)
+    expected = torch.softmax(LOGITS.double() / 0.5, -1) * n
+    assert float(((observed - expected) ** 2 / expected).sum()) < CHI2_DF7_P001
+
+
+def test_greedy_rows_take_the_argmax_beside_sampled_rows():
+    logits = torch.randn(6, 50)
+    temperature = torch.tensor([0, 1, 0, 1, 0, 1], dtype=torch.float32)
+    out = sample(logits, tensors(6, temperature=temperature))
+    assert torch.equal(out[::2], logits[::2].argmax(-1))
+
+
+def test_top_k_never_emits_excluded_tokens():
+    allowed = set(torch.topk(LOGITS, 3).indices.tolist())
+    observed = frequencies(5000, top_k=3)
+    assert {i for i, c in enumerate(observed.tolist()) if c} == allowed
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.softmax(LOGITS, -1)
+    order = probs.argsort(descending=True)
+    cumulative = probs[order].cumsum(0)
+    keep = int((cumulative < 0.7).sum()) + 1
+    allowed = set(order[:keep].tolist())
+    observed = frequencies(5000, top_p=0.7)
+    assert {i for i, c in enumerate(observed.tolist()) if c} == allowed
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    vocab = 1000
+    logits = torch.randn(1, vocab)
+    seed, step = torch.tensor([1234]), torch.tensor([5])
+    alone = sample(logits, tensors(1, seeds=seed, steps=step))
+    batch_logits = torch.cat([torch.randn(7, vocab), logits, torch.randn(4, vocab)])
+    seeds = torch.cat([torch.arange(7), seed, torch.arange(4)])
+    steps = torch.cat([torch.zeros(7, dtype=torch.int64), step, torch.ones(4, dtype=torch.int64)])
+    top_k = torch.tensor([0] * 7 + [0] + [5] * 4)
+    in_batch = sample(batch_logits, tensors(12, seeds=seeds, steps=steps, top_k=top_k))
+    assert in_batch[7] == alone[0]
+
+
+def test_different_seeds_and_steps_give_different_draws():
+    logits = torch.zeros(64, 1000)  # uniform: every draw is pure noise
+    by_seed = sample(logits, tensors(64))
+    assert len(set(by_seed.tolist())) > 50
+    steps = torch.arange(64, dtype=torch.int64)
+    by_step = sample(logits, tensors(64, seeds=torch.full((64,), 7), steps=steps))
+    assert len(set(by_step.tolist())) > 50
