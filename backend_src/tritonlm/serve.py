@@ -1,100 +1,26 @@
 """`tritonlm-serve`: run the tritonserver bundled in the nvidia-pytriton wheel on a model repository.
 
-The wheel ships tritonserver, the Python backend and one backend stub per Python version. We
-assemble a backend directory for the running interpreter, put this interpreter's bin/ first on PATH
-(the stub embeds libpython and locates its prefix -- hence the venv's site-packages -- by finding
-`python3` on PATH) and the wheel's bundled libraries on LD_LIBRARY_PATH.
+The server gets a backend directory with the Python backend and the stub for this interpreter
+(tritonlm.bundled_server), the wheel's libraries on LD_LIBRARY_PATH and this interpreter's bin/
+first on PATH: the stub embeds libpython, which finds its prefix (so the venv's site-packages,
+where tritonlm is installed) by looking up `python3` on PATH.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
-import ctypes.util
-import hashlib
-import importlib.util
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-PY_VERSION = f"{sys.version_info[0]}.{sys.version_info[1]}"
+from tritonlm.bundled_server import ServeError, backend_directory, check_libpython, pytriton_root
 
-
-class ServeError(RuntimeError):
-    """The bundled server cannot be launched (missing wheel, stub or system library)."""
-
-
-def pytriton_root() -> Path:
-    """Directory of the installed `pytriton` package, found without importing it."""
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
-        raise ServeError("nvidia-pytriton is not installed: pip install 'tritonlm[serve]'")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def _backend_files(root: Path) -> dict[str, Path]:
-    py = root / "tritonserver" / "backends" / "python"
-    stub = root / "tritonserver" / "python_backend_stubs" / PY_VERSION / "triton_python_backend_stub"
-    files = {"libtriton_python.so": py / "libtriton_python.so",
-             "triton_python_backend_utils.py": py / "triton_python_backend_utils.py",
-             "triton_python_backend_stub": stub}
-    for path in files.values():
-        if not path.exists():
-            raise ServeError(f"nvidia-pytriton lacks {path} (no Python backend stub for Python {PY_VERSION}?)")
-    return files
-
-
-def _links_ok(target: Path, files: dict[str, Path]) -> bool:
-    return all((target / "python" / n).resolve() == p.resolve() for n, p in files.items())
-
-
-def _build_links(parent: Path, target: Path, files: dict[str, Path]) -> None:
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=".build-"))
-    try:
-        (tmp / "python").mkdir()
-        for name, path in files.items():
-            (tmp / "python" / name).symlink_to(path.resolve())
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)  # atomic rename: readers see the old or the complete new dir
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def backend_directory(root: Path | None = None) -> Path:
-    """A reusable backend directory (python/ holding symlinks into the wheel) for this interpreter."""
-    root = root or pytriton_root()
-    files = _backend_files(root)
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tritonlm"
-    key = hashlib.sha1(str(root.resolve()).encode()).hexdigest()[:12]
-    for parent in (base, Path(tempfile.gettempdir()) / f"tritonlm-{os.getuid()}"):
-        target = parent / f"backends-py{PY_VERSION}-{key}"
-        if not _links_ok(target, files):
-            try:
-                _build_links(parent, target, files)
-            except OSError:
-                pass  # unwritable, or a concurrent launcher replaced it first
-        if _links_ok(target, files):
-            return target
-    raise ServeError(f"cannot create a backend directory under {base} or {tempfile.gettempdir()}")
-
-
-def _check_libpython(stub: Path, env: dict) -> None:
-    """Fail early when the system libpython the stub links against is missing."""
-    if shutil.which("ldd"):
-        out = subprocess.run(["ldd", str(stub)], env=env, capture_output=True, text=True).stdout
-        missing = [ln.split()[0] for ln in out.splitlines() if "not found" in ln]
-    else:
-        missing = [] if ctypes.util.find_library(f"python{PY_VERSION}") else [f"libpython{PY_VERSION}"]
-    if missing:
-        hint = f" (apt-get install libpython{PY_VERSION})" if any("libpython" in m for m in missing) else ""
-        raise ServeError(f"the Python backend stub needs {', '.join(missing)}{hint}")
+__all__ = ["ServeError", "build_command", "TritonServerProcess", "main"]
 
 
 def build_command(repo, http_port=8000, grpc_port=8001, metrics_port=8002, log_verbose=0,
@@ -112,7 +38,7 @@ def build_command(repo, http_port=8000, grpc_port=8001, metrics_port=8002, log_v
     libs = str(root.parent / "nvidia_pytriton.libs")
     env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [libs, env.get("LD_LIBRARY_PATH")]))
     env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
-    _check_libpython(backends / "python" / "triton_python_backend_stub", env)
+    check_libpython(backends / "python" / "triton_python_backend_stub", env)
     argv = [str(server), f"--model-repository={repo.resolve()}", f"--backend-directory={backends}",
             f"--cache-directory={root / 'tritonserver' / 'caches'}",
             f"--http-port={http_port}", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}",
@@ -165,10 +91,13 @@ class TritonServerProcess:
             time.sleep(poll)
         return False
 
+    def repository_index(self) -> list[dict]:
+        """Entries of /v2/repository/index: name, version, state (READY, UNAVAILABLE...)."""
+        return _get_json(f"http://127.0.0.1:{self.http_port}/v2/repository/index", "POST") or []
+
     def model_names(self) -> list[str]:
         """Names of the models in the repository index."""
-        index = _get_json(f"http://127.0.0.1:{self.http_port}/v2/repository/index", "POST") or []
-        return [m["name"] for m in index]
+        return [m["name"] for m in self.repository_index()]
 
     def send_signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -221,7 +150,9 @@ def main(argv=None) -> int:
     server.start()
     if server.wait_ready():
         try:
-            models = ", ".join(server.model_names()) or "(none)"
+            models = ", ".join(m["name"] + ("" if m.get("state") == "READY" else
+                                            f" ({m.get('state') or 'not loaded'})")
+                               for m in server.repository_index()) or "(none)"
         except OSError:
             models = "(unknown)"
         print(f"tritonlm-serve: ready\n  HTTP    http://127.0.0.1:{args.http_port}\n"
