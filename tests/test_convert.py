@@ -1,0 +1,255 @@
+"""The converter end to end: the default GGUF against transformers' own GGUF loading, tiny HF checkpoints,
+re-runs, and the command line's error handling."""
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast)
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from tritonlm.config import EngineConfig
+from tritonlm.triton.contract import render_config_pbtxt
+
+from tritonlm_convert.cli import main
+from tritonlm_convert.convert import convert, default_gguf_path
+from tritonlm_convert.errors import ConversionError
+
+TEXTS = ["Hello world!", "  leading spaces,\ttabs\nand newlines\n\n", "Ünïcödé — emoji 🤖 and 中文",
+         "<|im_start|>user\nhi<|im_end|>\n", "don't you're I'll", "snake_case(x) -> {'a': [b]}"]
+DIGIT_TEXTS = ["a1b22 3333 x=12345;", "2024-01-01 3.14159", "hello 12 worlds"]
+MESSAGES = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "Thanks"}]
+
+
+def weights(model_dir: Path) -> Path:
+    return model_dir / "1" / "weights"
+
+
+@pytest.fixture(scope="module")
+def default_repo(tmp_path_factory):
+    return convert("default", tmp_path_factory.mktemp("repo"))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' GGUF loading: the config, and the state dict from the loader from_pretrained uses
+    (from_pretrained itself additionally requires accelerate for GGUF files)."""
+    path = default_gguf_path()
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return config, load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+
+
+def test_default_repository_layout(default_repo):
+    assert default_repo.name == "llm"
+    version = default_repo / "1"
+    assert sorted(p.name for p in weights(default_repo).iterdir()) == [
+        "config.json", "generation_config.json", "rank0.safetensors", "special_tokens_map.json",
+        "tokenizer.json", "tokenizer_config.json"]
+    model_py = (version / "model.py").read_text().splitlines()
+    assert len(model_py) == 2 and model_py[0].startswith('"""')
+    assert model_py[1] == "from tritonlm.triton.adapter import TritonPythonModel  # noqa: F401"
+    engine = EngineConfig.load(version)
+    assert (engine.dtype, engine.max_model_len) == ("float32", 8192)
+    parameters = {"architecture": "LlamaForCausalLM", "max_model_len": "8192", "tp_size": "1",
+                  "dtype": "float32", "quantization": "none"}
+    assert (default_repo / "config.pbtxt").read_text() == render_config_pbtxt("llm", "KIND_CPU", parameters)
+    assert not [p for p in default_repo.iterdir() if p.name.startswith(".")]
+
+
+def test_default_weights_equal_transformers_gguf_loading(default_repo, reference):
+    _, expected = reference
+    ours = load_file(weights(default_repo) / "rank0.safetensors")
+    assert sorted(ours) == sorted(expected)
+    assert "lm_head.weight" not in ours  # tied embeddings
+    for name, tensor in expected.items():
+        assert ours[name].dtype == torch.float32
+        assert torch.equal(ours[name], tensor), name
+
+
+def test_default_config_matches_transformers(default_repo, reference):
+    expected, _ = reference
+    raw = json.loads((weights(default_repo) / "config.json").read_text())
+    assert raw["architectures"] == ["LlamaForCausalLM"] and raw["torch_dtype"] == "float32"
+    assert raw["rope_theta"] == 100000.0 and raw["rms_norm_eps"] == 1e-5
+    ours = AutoConfig.from_pretrained(weights(default_repo))
+    for field in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings", "vocab_size",
+                  "tie_word_embeddings", "hidden_act", "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(ours, field) == getattr(expected, field), field
+    assert ours.rms_norm_eps == pytest.approx(expected.rms_norm_eps, rel=1e-6)
+    assert ours.rope_parameters["rope_theta"] == expected.rope_parameters["rope_theta"]
+    generation = json.loads((weights(default_repo) / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+
+
+def test_default_tokenizer_matches_transformers(default_repo, smollm2_tokenizer):
+    ours = AutoTokenizer.from_pretrained(weights(default_repo))
+    for text in TEXTS + DIGIT_TEXTS:  # transformers' GGUF tokenizer also ends up splitting digits here
+        assert ours.encode(text) == smollm2_tokenizer.encode(text), text
+        assert ours.decode(ours.encode(text)) == text
+    for text in DIGIT_TEXTS:  # the original SmolLM2 tokenizer puts every digit in its own token
+        pieces = [ours.decode([i]) for i in ours.encode(text)]
+        assert all(len(p) == 1 for p in pieces if any(c.isdigit() for c in p)), pieces
+    for attr in ("bos_token", "eos_token", "pad_token", "unk_token", "all_special_tokens"):
+        assert getattr(ours, attr) == getattr(smollm2_tokenizer, attr), attr
+    assert ours.decode(ours.encode("<|im_start|>hi"), skip_special_tokens=True) == "hi"
+
+
+def test_default_chat_template_renders_like_transformers(default_repo, smollm2_tokenizer):
+    ours = AutoTokenizer.from_pretrained(weights(default_repo))
+    for generation_prompt in (True, False):
+        rendered = ours.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=generation_prompt)
+        assert rendered == smollm2_tokenizer.apply_chat_template(
+            MESSAGES, tokenize=False, add_generation_prompt=generation_prompt)
+    assert rendered.startswith("<|im_start|>system\n")
+    tokenizer_config = json.loads((weights(default_repo) / "tokenizer_config.json").read_text())
+    assert tokenizer_config["chat_template"] == smollm2_tokenizer.chat_template
+    assert tokenizer_config["add_bos_token"] is False
+    special = json.loads((weights(default_repo) / "special_tokens_map.json").read_text())
+    assert special == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",
+                       "pad_token": "<|im_end|>"}
+
+
+def _tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE over the 256 byte symbols, no merges, BOS prepended."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                   add_bos_token=True, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+
+
+def _save_tiny(directory: Path, config_class=LlamaConfig, model_class=LlamaForCausalLM, **overrides) -> dict:
+    """A random tiny model saved in bfloat16 with its tokenizer; returns its state dict."""
+    torch.manual_seed(0)
+    config = config_class(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, rope_theta=5e5,
+                          bos_token_id=256, eos_token_id=257, **overrides)
+    model = model_class(config).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    _tiny_tokenizer().save_pretrained(directory)
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    return directory, _save_tiny(directory)
+
+
+def _console_script() -> list[str]:
+    script = Path(sys.executable).parent / "tritonlm-convert"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "tritonlm_convert"]
+
+
+def test_hf_directory_through_the_command_line(tiny, tmp_path):
+    source, state = tiny
+    result = subprocess.run(
+        [*_console_script(), str(source), "--output", str(tmp_path), "--name", "tiny", "--dtype", "bfloat16",
+         "--max-model-len", "128", "--instance-kind", "KIND_GPU"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    model_dir = tmp_path / "tiny"
+    ours = load_file(weights(model_dir) / "rank0.safetensors")
+    assert sorted(ours) == sorted(state) and "lm_head.weight" in ours
+    for name, tensor in state.items():
+        assert ours[name].dtype == torch.bfloat16 and torch.equal(ours[name], tensor), name
+    source_config = json.loads((source / "config.json").read_text())
+    config = json.loads((weights(model_dir) / "config.json").read_text())
+    assert {k: config[k] for k in source_config if k != "dtype"} == \
+           {k: v for k, v in source_config.items() if k != "dtype"}
+    assert (config["torch_dtype"], config["rope_theta"], config["rope_scaling"]) == ("bfloat16", 5e5, None)
+    assert EngineConfig.load(model_dir / "1") == EngineConfig(dtype="bfloat16", max_model_len=128)
+    pbtxt = (model_dir / "config.pbtxt").read_text()
+    parameters = {"architecture": "LlamaForCausalLM", "max_model_len": "128", "tp_size": "1",
+                  "dtype": "bfloat16", "quantization": "none"}
+    assert pbtxt == render_config_pbtxt("tiny", "KIND_GPU", parameters)
+    original, converted = AutoTokenizer.from_pretrained(source), AutoTokenizer.from_pretrained(weights(model_dir))
+    for text in TEXTS:
+        assert converted.encode(text) == original.encode(text)
+    assert converted.encode("hi")[0] == 256
+    assert json.loads((weights(model_dir) / "tokenizer_config.json").read_text())["add_bos_token"] is True
+    assert converted.apply_chat_template(MESSAGES, tokenize=False) == "What is 2+2?4Thanks"
+
+
+def test_rerun_replaces_previous_output(tiny, tmp_path):
+    source, state = tiny
+    model_dir = convert(str(source), tmp_path)
+    stale = [weights(model_dir) / "rank1.safetensors", weights(model_dir) / "chat_template.jinja"]
+    for path in stale:
+        path.write_text("stale")
+    assert convert(str(source), tmp_path) == model_dir
+    assert not any(path.exists() for path in stale)
+    assert not [p for p in model_dir.iterdir() if p.name.startswith(".")]
+    ours = load_file(weights(model_dir) / "rank0.safetensors")
+    for name, tensor in state.items():  # auto on CPU: float32
+        assert ours[name].dtype == torch.float32 and torch.equal(ours[name], tensor.float()), name
+
+
+def test_mistral_uses_the_llama_layout(tmp_path):
+    source = tmp_path / "tiny-mistral"
+    state = _save_tiny(source, MistralConfig, MistralForCausalLM, sliding_window=64)
+    model_dir = convert(str(source), tmp_path / "repo")
+    ours = load_file(weights(model_dir) / "rank0.safetensors")
+    assert all(torch.equal(ours[name], tensor.float()) for name, tensor in state.items())
+    config = json.loads((weights(model_dir) / "config.json").read_text())
+    assert (config["architectures"], config["sliding_window"]) == (["MistralForCausalLM"], 64)
+    assert 'string_value: "MistralForCausalLM"' in (model_dir / "config.pbtxt").read_text()
+
+
+def test_pickle_weights_need_trust(tiny, tmp_path):
+    source = tmp_path / "pickled"
+    shutil.copytree(tiny[0], source)
+    (source / "model.safetensors").unlink()
+    torch.save(tiny[1], source / "pytorch_model.bin")
+    with pytest.raises(ConversionError, match="--trust-pickle"):
+        convert(str(source), tmp_path / "repo")
+    model_dir = convert(str(source), tmp_path / "repo", trust_pickle=True, dtype="bfloat16")
+    ours = load_file(weights(model_dir) / "rank0.safetensors")
+    assert all(torch.equal(ours[name], tensor) for name, tensor in tiny[1].items())
+
+
+def _bad_sources(tmp: Path, tiny_dir: Path) -> dict[str, tuple[list[str], str]]:
+    (tmp / "empty").mkdir()
+    (tmp / "corrupt.gguf").write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    (tmp / "notes.txt").write_text("hello")
+    falcon = tmp / "falcon"
+    shutil.copytree(tiny_dir, falcon)
+    config = json.loads((falcon / "config.json").read_text())
+    (falcon / "config.json").write_text(json.dumps({**config, "architectures": ["FalconForCausalLM"]}))
+    return {
+        "missing": ([str(tmp / "nope")], "does not exist"),
+        "no config.json": ([str(tmp / "empty")], "has no config.json"),
+        "corrupt gguf": ([str(tmp / "corrupt.gguf")], "not a readable GGUF file"),
+        "not a model": ([str(tmp / "notes.txt")], "neither a Hugging Face model directory nor a .gguf file"),
+        "architecture": ([str(falcon)], r"unsupported architecture \['FalconForCausalLM'\]; "
+                                        "supported: LlamaForCausalLM, MistralForCausalLM"),
+        "context too long": ([str(tiny_dir), "--max-model-len", "257"], "between 1 and the model's 256"),
+    }
+
+
+def test_bad_sources_are_one_line_errors(tiny, tmp_path, capsys):
+    for case, (args, message) in _bad_sources(tmp_path, tiny[0]).items():
+        with pytest.raises(SystemExit) as exit_info:
+            main([*args, "--output", str(tmp_path / "repo")])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 1, case
+        assert err.startswith("tritonlm-convert: error: ") and err.count("\n") == 1, (case, err)
+        assert re.search(message, err), (case, err)
+    assert not (tmp_path / "repo").exists()
+
+
+def test_error_exit_has_no_traceback(tmp_path):
+    result = subprocess.run([*_console_script(), str(tmp_path / "nope"), "-o", str(tmp_path / "repo")],
+                            capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stderr == f"tritonlm-convert: error: {tmp_path / 'nope'} does not exist\n"

@@ -1,0 +1,4 @@
+"""`python -m tritonlm_convert` runs the command line."""
+from .cli import main
+
+main()

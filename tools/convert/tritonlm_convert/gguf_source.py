@@ -1,0 +1,128 @@
+"""Reading a GGUF file: Hugging Face config and tensor names from its metadata, dequantized weights."""
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader, Keys
+from transformers import PreTrainedTokenizerFast
+
+from .architectures import Shapes, lookup_gguf
+from .errors import ConversionError
+from .gguf_dequant import check_supported, dequantize
+from .gguf_tokenizer import build_tokenizer
+from .sources import Source
+
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)")
+
+
+def _float32_value(value: float) -> float:
+    """A float32 metadata value as the shortest decimal that round-trips (1e-05, not 9.99999974e-06)."""
+    return float(str(np.float32(value)))
+
+
+def unpermute_rope(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf's q/k row order, `w.reshape(n_head, 2, rows // n_head // 2, ...).swapaxes(1, 2)`."""
+    half_head = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, half_head, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+class GGUFSource(Source):
+    """A GGUF file of a supported architecture."""
+
+    stored_dtype = None
+
+    def __init__(self, path: Path):
+        try:
+            self.reader = GGUFReader(path)
+            self.meta = {name: field.contents() for name, field in self.reader.fields.items()}
+        except Exception as e:  # the reader fails in many ways on a malformed file
+            raise ConversionError(f"{path} is not a readable GGUF file: {e}") from None
+        if Keys.General.ARCHITECTURE not in self.meta:
+            raise ConversionError(f"{path} has no {Keys.General.ARCHITECTURE} metadata")
+        self.arch = lookup_gguf(self.meta[Keys.General.ARCHITECTURE])
+        self._tensors = {self._hf_name(t.name): t for t in self.reader.tensors}
+        self._shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in self._tensors.items()}
+        for tensor in self.reader.tensors:
+            check_supported(tensor.tensor_type, tensor.name)
+        try:
+            self.raw_config = self._config()
+        except KeyError as e:
+            raise ConversionError(f"{path} lacks the GGUF metadata {e}") from None
+
+    def _hf_name(self, gguf_name: str) -> str:
+        base, _, kind = gguf_name.rpartition(".")
+        layer = _LAYER_TENSOR.fullmatch(base)
+        if layer:
+            name = self.arch.gguf_layer_tensors.get(layer[2])
+            name = name and f"model.layers.{layer[1]}.{name}"
+        else:
+            name = self.arch.gguf_tensors.get(base)
+        if name is None:
+            raise ConversionError(f"unsupported GGUF tensor {gguf_name} for architecture {self.arch.names[0]}")
+        return f"{name}.{kind}"
+
+    def _config(self) -> dict:
+        prefix = self.meta[Keys.General.ARCHITECTURE] + "."
+        arch_meta = {k[len(prefix):]: v for k, v in self.meta.items() if k.startswith(prefix)}
+        heads = arch_meta["attention.head_count"]
+        head_dim = arch_meta.get("attention.key_length", arch_meta["embedding_length"] // heads)
+        if arch_meta.get("rope.dimension_count", head_dim) != head_dim:
+            raise ConversionError("GGUF models with partial rotary embeddings are not supported")
+        config = {
+            "architectures": [self.arch.names[0]],
+            "model_type": self.arch.model_type,
+            "hidden_size": arch_meta["embedding_length"],
+            "intermediate_size": arch_meta["feed_forward_length"],
+            "num_hidden_layers": arch_meta["block_count"],
+            "num_attention_heads": heads,
+            "num_key_value_heads": arch_meta.get("attention.head_count_kv", heads),
+            "head_dim": head_dim,
+            "max_position_embeddings": arch_meta["context_length"],
+            "vocab_size": arch_meta.get("vocab_size", len(self.meta[Keys.Tokenizer.LIST])),
+            "tie_word_embeddings": "lm_head.weight" not in self._tensors,
+            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors,
+            "mlp_bias": "model.layers.0.mlp.up_proj.bias" in self._tensors,
+        }
+        if "attention.layer_norm_rms_epsilon" in arch_meta:
+            config["rms_norm_eps"] = _float32_value(arch_meta["attention.layer_norm_rms_epsilon"])
+        if "rope.freq_base" in arch_meta:
+            config["rope_theta"] = _float32_value(arch_meta["rope.freq_base"])
+        scaling = arch_meta.get("rope.scaling.type", "none")
+        if scaling != "none":
+            config["rope_scaling"] = {"rope_type": scaling, "factor": _float32_value(arch_meta["rope.scaling.factor"])}
+            if "rope.scaling.original_context_length" in arch_meta:
+                config["rope_scaling"]["original_max_position_embeddings"] = \
+                    arch_meta["rope.scaling.original_context_length"]
+        for name, key in (("bos_token_id", Keys.Tokenizer.BOS_ID), ("eos_token_id", Keys.Tokenizer.EOS_ID),
+                          ("pad_token_id", Keys.Tokenizer.PAD_ID)):
+            config[name] = self.meta.get(key)
+        return config
+
+    def tensor_shapes(self) -> Shapes:
+        """Every tensor, renamed to Hugging Face names, in file order."""
+        return dict(self._shapes)
+
+    def load(self, name: str) -> torch.Tensor:
+        """One tensor, dequantized to float32, with llama.cpp's q/k row permutation undone."""
+        tensor = self._tensors[name]
+        weight = dequantize(tensor.data, tensor.tensor_type, self._shapes[name])
+        if self.arch.gguf_rope_permuted and ".self_attn.q_proj." in name:
+            weight = unpermute_rope(weight, self.raw_config["num_attention_heads"])
+        elif self.arch.gguf_rope_permuted and ".self_attn.k_proj." in name:
+            weight = unpermute_rope(weight, self.raw_config["num_key_value_heads"])
+        return torch.from_numpy(weight)
+
+    def tokenizer(self) -> PreTrainedTokenizerFast:
+        """The tokenizer rebuilt from the `tokenizer.*` metadata."""
+        return build_tokenizer(self.meta, self.raw_config["max_position_embeddings"])
+
+    def generation_config(self) -> dict:
+        """Special token ids, with end-of-turn tokens added to the ones generation stops on."""
+        config = super().generation_config()
+        end_of_turn = [self.meta.get(k) for k in (Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)]
+        stops = [config.get("eos_token_id"), *end_of_turn]
+        stops = list(dict.fromkeys(s for s in stops if s is not None))
+        if len(stops) > 1:
+            config["eos_token_id"] = stops
+        return config
