@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -58,10 +60,11 @@ def test_default_repository_layout(default_repo):
     assert len(model_py) == 2 and model_py[0].startswith('"""')
     assert model_py[1] == "from tritonlm.triton.adapter import TritonPythonModel  # noqa: F401"
     engine = EngineConfig.load(version)
-    assert (engine.dtype, engine.max_model_len) == ("float32", 8192)
+    assert (engine.dtype, engine.max_model_len) == ("float32", 8192)  # GGUF weights are dequantized to float32
     parameters = {"architecture": "LlamaForCausalLM", "max_model_len": "8192", "tp_size": "1",
                   "dtype": "float32", "quantization": "none"}
-    assert (default_repo / "config.pbtxt").read_text() == render_config_pbtxt("llm", "KIND_CPU", parameters)
+    kind = "KIND_GPU" if torch.cuda.is_available() else "KIND_CPU"
+    assert (default_repo / "config.pbtxt").read_text() == render_config_pbtxt("llm", kind, parameters)
     assert not [p for p in default_repo.iterdir() if p.name.startswith(".")]
 
 
@@ -181,7 +184,8 @@ def test_hf_directory_through_the_command_line(tiny, tmp_path):
     assert converted.apply_chat_template(MESSAGES, tokenize=False) == "What is 2+2?4Thanks"
 
 
-def test_rerun_replaces_previous_output(tiny, tmp_path):
+def test_rerun_replaces_previous_output(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     source, state = tiny
     model_dir = convert(str(source), tmp_path)
     stale = [weights(model_dir) / "rank1.safetensors", weights(model_dir) / "chat_template.jinja"]
@@ -193,17 +197,107 @@ def test_rerun_replaces_previous_output(tiny, tmp_path):
     ours = load_file(weights(model_dir) / "rank0.safetensors")
     for name, tensor in state.items():  # auto on CPU: float32
         assert ours[name].dtype == torch.float32 and torch.equal(ours[name], tensor.float()), name
+    assert 'kind: KIND_CPU' in (model_dir / "config.pbtxt").read_text()
+
+
+def test_auto_dtype_with_cuda_keeps_the_checkpoint_dtype(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model_dir = convert(str(tiny[0]), tmp_path)
+    assert EngineConfig.load(model_dir / "1").dtype == "bfloat16"
+    assert load_file(weights(model_dir) / "rank0.safetensors")["lm_head.weight"].dtype == torch.bfloat16
+    assert 'kind: KIND_GPU' in (model_dir / "config.pbtxt").read_text()
 
 
 def test_mistral_uses_the_llama_layout(tmp_path):
     source = tmp_path / "tiny-mistral"
     state = _save_tiny(source, MistralConfig, MistralForCausalLM, sliding_window=64)
-    model_dir = convert(str(source), tmp_path / "repo")
+    model_dir = convert(str(source), tmp_path / "repo", dtype="float32")
     ours = load_file(weights(model_dir) / "rank0.safetensors")
     assert all(torch.equal(ours[name], tensor.float()) for name, tensor in state.items())
     config = json.loads((weights(model_dir) / "config.json").read_text())
     assert (config["architectures"], config["sliding_window"]) == (["MistralForCausalLM"], 64)
     assert 'string_value: "MistralForCausalLM"' in (model_dir / "config.pbtxt").read_text()
+
+
+# llama.cpp's tensor names and the quant types this test stores each tensor in.
+GGUF_LAYOUT = {"model.embed_tokens.weight": ("token_embd", "F16"), "model.norm.weight": ("output_norm", "F32"),
+               "lm_head.weight": ("output", "Q8_0")}
+GGUF_LAYER_LAYOUT = {"self_attn.q_proj": ("attn_q", "F32"), "self_attn.k_proj": ("attn_k", "F32"),
+                     "self_attn.v_proj": ("attn_v", "Q8_0"), "self_attn.o_proj": ("attn_output", "BF16"),
+                     "mlp.gate_proj": ("ffn_gate", "Q4_0"), "mlp.up_proj": ("ffn_up", "Q4_1"),
+                     "mlp.down_proj": ("ffn_down", "Q5_0"), "input_layernorm": ("attn_norm", "F32"),
+                     "post_attention_layernorm": ("ffn_norm", "F32")}
+
+
+def _llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute."""
+    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2) \
+        .reshape(weight.shape)
+
+
+def _write_tiny_gguf(path: Path, state: dict, config) -> None:
+    """The tiny Llama as convert_hf_to_gguf.py would store it, with a byte-level vocabulary and rope scaling."""
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(2.0)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    tokens = [*sorted(pre_tokenizers.ByteLevel.alphabet()), "<s>", "</s>"]
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * 2)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(257)
+    for name, tensor in state.items():
+        if name in GGUF_LAYOUT:
+            gguf_name, kind = GGUF_LAYOUT[name]
+        else:
+            layer, part = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name).groups()
+            base, kind = GGUF_LAYER_LAYOUT[part]
+            gguf_name = f"blk.{layer}.{base}"
+        weight = tensor.float().numpy()
+        if gguf_name.endswith("attn_q"):
+            weight = _llama_cpp_permute(weight, config.num_attention_heads)
+        elif gguf_name.endswith("attn_k"):
+            weight = _llama_cpp_permute(weight, config.num_key_value_heads)
+        qtype = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(f"{gguf_name}.weight", gguf.quants.quantize(weight, qtype),
+                          raw_dtype=None if kind in ("F32", "F16") else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_with_every_quant_layout_round_trips(tmp_path):
+    source = tmp_path / "tiny"
+    state = {name: tensor.float() for name, tensor in _save_tiny(source).items()}
+    config = AutoConfig.from_pretrained(source)
+    _write_tiny_gguf(tmp_path / "tiny.gguf", state, config)
+    model_dir = convert(str(tmp_path / "tiny.gguf"), tmp_path / "repo")
+    ours = load_file(weights(model_dir) / "rank0.safetensors")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    expected = load_gguf_checkpoint(str(tmp_path / "tiny.gguf"), return_tensors=True, model_to_load=model)["tensors"]
+    assert sorted(ours) == sorted(expected) == sorted(state)
+    for name, tensor in expected.items():
+        assert torch.equal(ours[name], tensor), name
+        if name.endswith(("q_proj.weight", "k_proj.weight", "norm.weight")):  # stored as F32: lossless
+            assert torch.equal(ours[name], state[name]), name
+    converted = json.loads((weights(model_dir) / "config.json").read_text())
+    assert converted["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    assert AutoConfig.from_pretrained(weights(model_dir)).rope_parameters == {
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}
+    assert (converted["tie_word_embeddings"], converted["head_dim"], converted["vocab_size"]) == (False, 16, 300)
 
 
 def test_pickle_weights_need_trust(tiny, tmp_path):

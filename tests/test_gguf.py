@@ -1,13 +1,20 @@
 """GGUF reading: dequantizers against gguf-py's reference, the q/k un-permutation, tokenizer rebuilding."""
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGUFReader, GGMLQuantizationType, quants
+from transformers import AutoTokenizer
 
 from tritonlm_convert.convert import default_gguf_path
 from tritonlm_convert.errors import ConversionError
 from tritonlm_convert.gguf_dequant import SUPPORTED_TYPES, dequantize
 from tritonlm_convert.gguf_source import GGUFSource, unpermute_rope
 from tritonlm_convert.gguf_tokenizer import build_tokenizer
+from tritonlm_convert.repository import save_tokenizer
+
+SPM_FIXTURE = Path(__file__).parent / "data" / "convert_spm_vocab.json"
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +88,15 @@ def test_unknown_pre_tokenizer_is_an_error(meta):
 def test_unsupported_tokenizer_model_is_an_error(meta):
     with pytest.raises(ConversionError, match="tokenizer model 'bert'"):
         build_tokenizer({**meta, "tokenizer.ggml.model": "bert"}, 8192)
+
+
+def test_sentencepiece_vocab_encodes_like_sentencepiece(tmp_path):
+    fixture = json.loads(SPM_FIXTURE.read_text())
+    meta = {f"tokenizer.ggml.{key}": fixture[key] for key in (
+        "tokens", "scores", "token_type", "bos_token_id", "eos_token_id", "unknown_token_id")}
+    meta["tokenizer.ggml.model"] = "llama"  # no add_bos_token key: llama.cpp's default for it is true
+    save_tokenizer(build_tokenizer(meta, 4096), tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    for text, ids in fixture["encodings"].items():
+        assert tokenizer.encode(text) == [fixture["bos_token_id"], *ids], text
+        assert tokenizer.decode(tokenizer.encode(text), skip_special_tokens=True) == text

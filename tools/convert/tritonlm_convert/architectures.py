@@ -119,10 +119,9 @@ def select_tensors(arch: Architecture, config: dict, found: Shapes) -> Shapes:
     found = {k: v for k, v in found.items() if not arch.ignored_tensors.fullmatch(k)}
     missing = [k for k in expected if k not in found]
     unexpected = [k for k in found if k not in expected]
-    wrong = [f"{k} {found[k]} (expected {expected[k]})" for k in found
-             if k in expected and tuple(found[k]) != expected[k]]
+    wrong = [f"{k} {found[k]} (expected {expected[k]})" for k in found if k in expected and found[k] != expected[k]]
     for problem, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
         if names:
             more = f" and {len(names) - 3} more" if len(names) > 3 else ""
             raise ConversionError(f"{problem} tensors: {', '.join(names[:3])}{more}")
-    return {k: tuple(v) for k, v in found.items()}
+    return found

@@ -1,6 +1,6 @@
 """Rebuilding a Hugging Face fast tokenizer from a GGUF file's `tokenizer.*` metadata."""
 from gguf import Keys, TokenType
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from .errors import ConversionError
@@ -54,16 +54,51 @@ def _bpe_backend(meta: dict) -> Tokenizer:
     return backend
 
 
+def _spm_merges(tokens: list[str], scores: list[float], mergeable: set[str]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to sentencepiece's rule: repeatedly join the adjacent pair whose join is the
+    highest-scoring vocabulary piece."""
+    ranked = []
+    for index, (token, score) in enumerate(zip(tokens, scores)):
+        if token in mergeable:
+            ranked.extend((-score, index, cut, token[:cut], token[cut:]) for cut in range(1, len(token))
+                          if token[:cut] in mergeable and token[cut:] in mergeable)
+    return [(left, right) for *_, left, right in sorted(ranked)]
+
+
+def _spm_backend(meta: dict, types: list[int]) -> Tokenizer:
+    """A sentencepiece-style BPE tokenizer (`tokenizer.ggml.model == "llama"`) with byte fallback."""
+    if meta.get(K.REMOVE_EXTRA_WS):
+        raise ConversionError("GGUF sentencepiece vocabularies that collapse whitespace are not supported")
+    tokens = meta[K.LIST]
+    mergeable = {t for t, kind in zip(tokens, types) if kind == TokenType.NORMAL}
+    vocab = {token: i for i, token in enumerate(tokens)}
+    merges = _spm_merges(tokens, meta[K.SCORES], mergeable)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=_token(meta, K.UNK_ID),
+                                   fuse_unk=True, byte_fallback=True))
+    # llama.cpp prefixes a space to every text fragment (after each special token too), like the
+    # Llama tokenizer.json's normalizer does.
+    prefix = meta.get(K.ADD_PREFIX, True)
+    steps = [normalizers.Prepend("\u2581")] if prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", int(prefix), 0)])
+    return backend
+
+
 def build_tokenizer(meta: dict, model_max_length: int) -> PreTrainedTokenizerFast:
     """The tokenizer described by GGUF metadata (`meta`: field name -> value)."""
-    if meta.get(K.MODEL) != "gpt2":
-        raise ConversionError(f"unsupported GGUF tokenizer model {meta.get(K.MODEL)!r}; supported: gpt2")
-    backend = _bpe_backend(meta)
+    model = meta.get(K.MODEL)
     tokens = meta[K.LIST]
-    types = meta.get(K.TOKEN_TYPE, [])
+    types = meta.get(K.TOKEN_TYPE, [TokenType.NORMAL] * len(tokens))
+    if model == "gpt2":
+        backend = _bpe_backend(meta)
+    elif model == "llama":
+        backend = _spm_backend(meta, types)
+    else:
+        raise ConversionError(f"unsupported GGUF tokenizer model {model!r}; supported: gpt2, llama")
     # Control tokens were special in the original tokenizer; user-defined ones were plain added tokens.
     backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                for i, t in enumerate(types) if t == TokenType.CONTROL])
+                                for i, t in enumerate(types) if t in (TokenType.CONTROL, TokenType.UNKNOWN)])
     backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                         for i, t in enumerate(types) if t == TokenType.USER_DEFINED])
     special = {name: _token(meta, key) for name, key in (
@@ -71,7 +106,7 @@ def build_tokenizer(meta: dict, model_max_length: int) -> PreTrainedTokenizerFas
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         **{name: token for name, token in special.items() if token is not None},
-        add_bos_token=bool(meta.get(K.ADD_BOS, False)),
+        add_bos_token=bool(meta.get(K.ADD_BOS, model == "llama")),  # llama.cpp's default per model
         add_eos_token=bool(meta.get(K.ADD_EOS, False)),
         chat_template=meta.get(K.CHAT_TEMPLATE),
         clean_up_tokenization_spaces=False,

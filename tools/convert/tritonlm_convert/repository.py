@@ -28,7 +28,7 @@ def _special_tokens_added(tokenizer: PreTrainedTokenizerBase) -> tuple[bool, boo
     """Whether encoding prepends BOS / appends EOS, observed rather than read from flags that may be stale."""
     plain = tokenizer.encode("a", add_special_tokens=False)
     full = tokenizer.encode("a", add_special_tokens=True)
-    start = next(i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain)
+    start = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
     add_bos = start > 0 and full[0] == tokenizer.bos_token_id
     add_eos = len(full) > start + len(plain) and full[-1] == tokenizer.eos_token_id
     return add_bos, add_eos
