@@ -17,3 +17,63 @@ def smollm2_tokenizer():
     from transformers import AutoTokenizer
     path = smollm2_gguf()
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def run_convert(src, output: Path, *args: str) -> Path:
+    """`tritonlm-convert SRC --output OUTPUT ARGS`; returns the model directory."""
+    import subprocess
+    import sys
+    converter = Path(sys.executable).parent / "tritonlm-convert"
+    subprocess.run([str(converter), str(src), "--output", str(output), *args], check=True,
+                   capture_output=True, text=True)
+    return output / "llm"
+
+
+@pytest.fixture(scope="session")
+def smollm2_repo(tmp_path_factory) -> Path:
+    """The embedded SmolLM2 converted by tritonlm-convert (float32)."""
+    return run_convert("default", tmp_path_factory.mktemp("smollm2"), "--dtype", "float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' own model loaded from the same GGUF file (the reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    path = smollm2_gguf()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_repo):
+    from tritonlm import LLM
+    return LLM(str(smollm2_repo))
+
+
+def make_tiny_llama(directory: Path, tokenizer, **overrides):
+    """A random-weight Llama saved as a Hugging Face checkpoint; returns the HF model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tokenizer),
+                  max_position_embeddings=512, initializer_range=0.1,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config.update(overrides)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return model
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation, ignoring EOS."""
+    import torch
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()

@@ -63,7 +63,7 @@ def bench_hf(model, prompts, output_len: int, batch_size: int) -> float:
         batch = torch.tensor(prompts[i:i + batch_size])
         with torch.inference_mode():
             out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False,
-                                 max_new_tokens=output_len, min_new_tokens=output_len,
+                                 max_new_tokens=output_len, eos_token_id=None,
                                  pad_token_id=0)
         generated += (out.shape[1] - batch.shape[1]) * batch.shape[0]
     return generated / (time.perf_counter() - start)

@@ -104,6 +104,8 @@ class LLMEngine:
             text = prompt
         else:
             token_ids, text = list(prompt), None
+            if not all(isinstance(t, int) for t in token_ids):
+                raise InvalidRequestError("a token-id prompt must be a list of integers")
             bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequestError(f"input_ids {bad[:5]} are outside the vocabulary "

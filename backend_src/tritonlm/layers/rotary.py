@@ -14,9 +14,9 @@ def _inverse_frequencies(config, rotary_dim: int) -> tuple[torch.Tensor, float]:
         raise ValueError(f"rope_type {rope_type!r} is not supported")
     if rope_type == "default":
         base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float, device="cpu") / rotary_dim
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim
         return 1.0 / (base ** exponents), 1.0
-    return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return ROPE_INIT_FUNCTIONS[rope_type](config)
 
 
 class RotaryEmbedding(nn.Module):
@@ -24,9 +24,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config, rotary_dim: int, max_positions: int):
         super().__init__()
-        inv_freq, scaling = _inverse_frequencies(config, rotary_dim)
-        freqs = torch.arange(max_positions, dtype=torch.float, device="cpu")[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        with torch.device("cpu"):  # real tables even when the model is built on the meta device
+            inv_freq, scaling = _inverse_frequencies(config, rotary_dim)
+            freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
         self.rotary_dim = rotary_dim
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
