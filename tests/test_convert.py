@@ -15,7 +15,6 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
                           MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast)
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from tritonlm.config import EngineConfig
 from tritonlm.triton.contract import render_config_pbtxt
 
@@ -41,13 +40,9 @@ def default_repo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    """transformers' GGUF loading: the config, and the state dict from the loader from_pretrained uses
-    (from_pretrained itself additionally requires accelerate for GGUF files)."""
+    """transformers' own loading of the same GGUF file."""
     path = default_gguf_path()
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return config, load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
 
 
 def test_default_repository_layout(default_repo):
@@ -69,17 +64,17 @@ def test_default_repository_layout(default_repo):
 
 
 def test_default_weights_equal_transformers_gguf_loading(default_repo, reference):
-    _, expected = reference
+    expected = reference.state_dict()
     ours = load_file(weights(default_repo) / "rank0.safetensors")
-    assert sorted(ours) == sorted(expected)
-    assert "lm_head.weight" not in ours  # tied embeddings
-    for name, tensor in expected.items():
-        assert ours[name].dtype == torch.float32
-        assert torch.equal(ours[name], tensor), name
+    assert "lm_head.weight" not in ours and reference.config.tie_word_embeddings  # tied embeddings
+    assert sorted(ours) == sorted(set(expected) - {"lm_head.weight"})
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32
+        assert torch.equal(tensor, expected[name]), name
 
 
 def test_default_config_matches_transformers(default_repo, reference):
-    expected, _ = reference
+    expected = reference.config
     raw = json.loads((weights(default_repo) / "config.json").read_text())
     assert raw["architectures"] == ["LlamaForCausalLM"] and raw["torch_dtype"] == "float32"
     assert raw["rope_theta"] == 100000.0 and raw["rms_norm_eps"] == 1e-5
@@ -128,8 +123,9 @@ def _tiny_tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
-                                   add_bos_token=True, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", add_bos_token=True,
+                                   chat_template=template)
 
 
 def _save_tiny(directory: Path, config_class=LlamaConfig, model_class=LlamaForCausalLM, **overrides) -> dict:
@@ -285,9 +281,7 @@ def test_gguf_with_every_quant_layout_round_trips(tmp_path):
     _write_tiny_gguf(tmp_path / "tiny.gguf", state, config)
     model_dir = convert(str(tmp_path / "tiny.gguf"), tmp_path / "repo")
     ours = load_file(weights(model_dir) / "rank0.safetensors")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    expected = load_gguf_checkpoint(str(tmp_path / "tiny.gguf"), return_tensors=True, model_to_load=model)["tensors"]
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).state_dict()
     assert sorted(ours) == sorted(expected) == sorted(state)
     for name, tensor in expected.items():
         assert torch.equal(ours[name], tensor), name

@@ -48,6 +48,11 @@ def test_dequantize_real_tensors_match_gguf(reader):
         np.testing.assert_array_equal(ours, expected.reshape(ours.shape), err_msg=name)
 
 
+def test_unsupported_quant_type_is_an_error():
+    with pytest.raises(ConversionError, match="unsupported GGUF tensor type IQ2_XXS.*supported: F32, F16, BF16, Q8_0"):
+        dequantize(np.zeros(66, np.uint8), GGMLQuantizationType.IQ2_XXS, (256,))
+
+
 def test_dequantize_rejects_wrong_size():
     with pytest.raises(ConversionError, match="bytes"):
         dequantize(np.zeros(33, np.uint8), GGMLQuantizationType.Q8_0, (32,))
