@@ -77,3 +77,34 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
                              max_new_tokens=max_new_tokens, eos_token_id=None,
                              pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
+
+
+def linked_repository(model_dir: Path, directory: Path, **engine_settings) -> Path:
+    """A repository serving `model_dir`'s weights (linked, not copied) with other engine settings."""
+    import json
+    import shutil
+    version = directory / "llm" / "1"
+    version.mkdir(parents=True)
+    shutil.copy(model_dir / "config.pbtxt", directory / "llm" / "config.pbtxt")
+    shutil.copy(model_dir / "1" / "model.py", version / "model.py")
+    (version / "weights").symlink_to((model_dir / "1" / "weights").resolve())
+    settings = json.loads((model_dir / "1" / "engine.json").read_text())
+    settings.update(engine_settings)
+    (version / "engine.json").write_text(json.dumps(settings))
+    return directory
+
+
+# A small cache (64 blocks of 16 tokens) so tests can fill it on purpose.
+SERVED_KV_BLOCKS = 64
+SERVED_MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_repo, tmp_path_factory):
+    """The real tritonserver, started by tritonlm-serve, serving SmolLM2 on free ports."""
+    from triton_server import start_server
+    repo = linked_repository(smollm2_repo, tmp_path_factory.mktemp("served"),
+                             num_kv_blocks=SERVED_KV_BLOCKS, block_size=16,
+                             max_model_len=SERVED_MAX_MODEL_LEN)
+    with start_server(repo) as server:
+        yield server
