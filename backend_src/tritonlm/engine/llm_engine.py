@@ -1,6 +1,7 @@
 """The step loop: the scheduler picks sequences, the model runner runs them, the outputs go back."""
 import itertools
 import json
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,8 @@ from tritonlm.engine.sequence import FinishReason, Sequence
 from tritonlm.errors import InvalidRequestError
 from tritonlm.models.loader import load_config
 from tritonlm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -154,6 +157,7 @@ class LLMEngine:
         if tracked is None:
             return None
         self.scheduler.finish(tracked.seq, FinishReason.ABORT)
+        self._log_finished(tracked.seq)
         return self._output(tracked)
 
     @property
@@ -174,7 +178,14 @@ class LLMEngine:
             outputs.append(self._output(tracked))
             if seq.is_finished:
                 del self._tracked[seq.request_id]
+                self._log_finished(seq)
         return outputs
+
+    def _log_finished(self, seq: Sequence) -> None:
+        logger.info("request %s finished: reason=%s prompt_tokens=%d output_tokens=%d "
+                    "free_blocks=%d/%d", seq.request_id, seq.finish_reason, seq.num_prompt_tokens,
+                    seq.num_output_tokens, self.block_manager.num_free_blocks,
+                    self.block_manager.num_blocks)
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
         seq = tracked.seq
