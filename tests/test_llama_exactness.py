@@ -25,6 +25,8 @@ TINY_VARIANTS = {
     "rope-llama3": {"rope_theta": 500000.0, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 128}},
+    "rope-yarn": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                   "original_max_position_embeddings": 128}},
 }
 
 

@@ -69,8 +69,11 @@ class LLMEngine:
         self.config = EngineConfig.load(model_dir, **overrides)
         self.hf_config = load_config(weights_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(weights_dir)
-        self.max_model_len = min(self.config.max_model_len,
-                                 getattr(self.hf_config, "max_position_embeddings", 1 << 30))
+        # NOTE: attention is never windowed, so a sliding-window model (Mistral) is served up to
+        # its window, where full attention is exact.
+        limits = (getattr(self.hf_config, "max_position_embeddings", None),
+                  getattr(self.hf_config, "sliding_window", None))
+        self.max_model_len = min([self.config.max_model_len, *(n for n in limits if n)])
         self.config.max_model_len = self.max_model_len
         self.runner = ModelRunner(self.config, self.hf_config, weights_dir)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
