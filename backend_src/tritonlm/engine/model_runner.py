@@ -7,7 +7,8 @@ import torch
 
 from tritonlm.config import EngineConfig
 from tritonlm.engine.step_plan import StepPlan
-from tritonlm.layers.attention import AttentionMetadata, PagedAttention, flash_attention_usable
+from tritonlm.layers.attention import PagedAttention, cache_block_shape, flash_attention_usable
+from tritonlm.layers.attention_metadata import StepLayout, build_metadata
 from tritonlm.layers.sampler import SamplingTensors, sample
 from tritonlm.models.loader import load_model
 
@@ -29,12 +30,14 @@ class ModelRunner:
         self.model = load_model(weights_dir, hf_config, self.dtype, self.device,
                                 config.max_model_len)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        self.num_kv_heads = self.attention_layers[0].num_kv_heads
         self.use_flash = flash_attention_usable(self.device, self.dtype, self.block_size)
         self.num_blocks = self._allocate_kv_cache()
 
     def _allocate_kv_cache(self) -> int:
         first = self.attention_layers[0]
-        block_shape = (self.block_size, first.num_kv_heads, first.head_dim)
+        block_shape = cache_block_shape(self.block_size, first.num_kv_heads, first.head_dim,
+                                        self.use_flash)
         bytes_per_block = (2 * len(self.attention_layers) * int(np.prod(block_shape))
                            * self.dtype.itemsize)
         num_blocks = self.config.num_kv_blocks or self.config.kv_cache_memory // bytes_per_block
@@ -72,55 +75,16 @@ class ModelRunner:
         first = ends - lens
         input_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks),
                                 dtype=np.int64, count=num_tokens)
-        row = np.repeat(np.arange(len(chunks)), lens)
         positions = np.repeat(starts, lens) + np.arange(num_tokens) - np.repeat(first, lens)
         table_lens = np.array([len(c.block_table) for c in chunks], dtype=np.int64)
         tables = np.zeros((len(chunks), int(table_lens.max())), dtype=np.int64)
         tables[np.arange(tables.shape[1])[None, :] < table_lens[:, None]] = np.fromiter(
             itertools.chain.from_iterable(c.block_table for c in chunks), dtype=np.int64)
-        bs = self.block_size
-        slot_mapping = tables[row, positions // bs] * bs + positions % bs
-        context = starts + lens
-        meta = AttentionMetadata(slot_mapping=self._tensor(slot_mapping))
-        if self.use_flash:
-            self._flash_metadata(meta, lens, context, tables)
-        else:
-            self._torch_metadata(meta, lens, starts, context, first, tables)
+        layout = StepLayout(lens, starts, first, positions, tables, self.block_size)
+        meta = build_metadata(layout, self.num_kv_heads, self.use_flash, self._tensor)
         sample_index = np.array([e - 1 for c, e in zip(chunks, ends) if c.sampling is not None],
                                 dtype=np.int64)
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(sample_index)
-
-    def _context_slots(self, tables: np.ndarray, context: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        j = np.arange(int(context.max()))
-        return tables[:, j // self.block_size] * self.block_size + j % self.block_size, j
-
-    def _torch_metadata(self, meta, lens, starts, context, first, tables) -> None:
-        decode = lens == 1
-        if decode.any():
-            slots, j = self._context_slots(tables[decode], context[decode])
-            meta.decode_token_index = self._tensor(first[decode])
-            meta.decode_slots = self._tensor(slots)
-            meta.decode_mask = self._tensor((j[None, :] < context[decode][:, None])[:, None, None, :])
-        prefill = ~decode
-        if prefill.any():
-            slots, j = self._context_slots(tables[prefill], context[prefill])
-            q = np.arange(int(lens[prefill].max()))
-            valid = q[None, :] < lens[prefill][:, None]
-            token_index = np.where(valid, first[prefill][:, None] + q[None, :], 0)
-            query_pos = starts[prefill][:, None] + q[None, :]
-            mask = ((j[None, None, :] <= query_pos[:, :, None])
-                    & (j[None, None, :] < context[prefill][:, None, None]))
-            meta.prefill_token_index = self._tensor(token_index)
-            meta.prefill_token_valid = self._tensor(valid)
-            meta.prefill_slots = self._tensor(slots)
-            meta.prefill_mask = self._tensor(mask[:, None, :, :])
-
-    def _flash_metadata(self, meta, lens, context, tables) -> None:
-        meta.cu_seqlens_q = self._tensor(np.concatenate(([0], np.cumsum(lens))).astype(np.int32))
-        meta.cu_seqlens_k = self._tensor(np.concatenate(([0], np.cumsum(context))).astype(np.int32))
-        meta.max_seqlen_q = int(lens.max())
-        meta.max_seqlen_k = int(context.max())
-        meta.block_tables = self._tensor(tables.astype(np.int32))
 
     def _sampling_tensors(self, chunks) -> SamplingTensors:
         rows = [c.sampling for c in chunks]

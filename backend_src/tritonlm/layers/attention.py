@@ -1,12 +1,16 @@
 """Paged attention: K/V live in fixed-size blocks of one preallocated cache, found via block tables.
 
-Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim] (flash-attn's paged layout).
+Cache layout per layer, by backend:
+- PyTorch: [num_blocks, num_kv_heads, block_size, head_dim]. Gathering whole (block, head) rows
+  of the [num_blocks * Hkv, block_size, D] view gives each sequence's keys as a contiguous
+  [Hkv, L, D] tensor: large copies, and no transpose before the matmuls.
+- flash-attn: [num_blocks, block_size, num_kv_heads, head_dim], its paged layout.
 """
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tritonlm.layers.attention_metadata import AttentionMetadata
 
 try:  # flash-attn is an optional GPU extra
     from flash_attn import flash_attn_varlen_func
@@ -17,30 +21,15 @@ except ImportError:
 FLASH_BLOCK_MULTIPLE = 256
 
 
-@dataclass
-class AttentionMetadata:
-    """Where this step's tokens go in the cache and which cached tokens each query sees."""
-    slot_mapping: torch.Tensor  # [T] cache slot of each new token
-    # Rows with a single query token (decodes); their context is gathered from the cache.
-    decode_token_index: torch.Tensor | None = None  # [Bd]
-    decode_slots: torch.Tensor | None = None  # [Bd, Ld]
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Ld]
-    # Rows with several query tokens (prefill chunks), padded to the longest.
-    prefill_token_index: torch.Tensor | None = None  # [Bp, Qp]
-    prefill_token_valid: torch.Tensor | None = None  # [Bp, Qp]
-    prefill_slots: torch.Tensor | None = None  # [Bp, Lp]
-    prefill_mask: torch.Tensor | None = None  # [Bp, 1, Qp, Lp]
-    # flash-attn varlen inputs (set only when that backend is used)
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_k: torch.Tensor | None = None
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
-    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
-
-
 def flash_attention_usable(device: torch.device, dtype: torch.dtype, block_size: int) -> bool:
     return (flash_attn_varlen_func is not None and device.type == "cuda"
             and dtype in (torch.float16, torch.bfloat16) and block_size % FLASH_BLOCK_MULTIPLE == 0)
+
+
+def cache_block_shape(block_size: int, num_kv_heads: int, head_dim: int, use_flash: bool):
+    if use_flash:
+        return block_size, num_kv_heads, head_dim
+    return num_kv_heads, block_size, head_dim
 
 
 class PagedAttention(nn.Module):
@@ -58,30 +47,51 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k and v: [T, Hkv, D] for this step's tokens; returns [T, Hq, D]."""
-        k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
         if self.use_flash:
-            return flash_attn_varlen_func(
-                q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k,
-                meta.max_seqlen_q, meta.max_seqlen_k, softmax_scale=self.scale, causal=True,
-                block_table=meta.block_tables)
+            return self._flash(q, k, v, meta)
+        k_rows = self.k_cache.view(-1, self.head_dim)
+        v_rows = self.v_cache.view(-1, self.head_dim)
+        k_rows.index_copy_(0, meta.write_rows, k.reshape(-1, self.head_dim).to(k_rows.dtype))
+        v_rows.index_copy_(0, meta.write_rows, v.reshape(-1, self.head_dim).to(v_rows.dtype))
         out = torch.empty_like(q)
         if meta.decode_token_index is not None:
-            q_rows = q[meta.decode_token_index].unsqueeze(1)  # [Bd, 1, Hq, D]
-            o = self._attend(q_rows, k_flat, v_flat, meta.decode_slots, meta.decode_mask)
-            out[meta.decode_token_index] = o.squeeze(1)
+            out[meta.decode_token_index] = self._decode(q[meta.decode_token_index], meta)
         if meta.prefill_token_index is not None:
             q_rows = q[meta.prefill_token_index]  # [Bp, Qp, Hq, D]
-            o = self._attend(q_rows, k_flat, v_flat, meta.prefill_slots, meta.prefill_mask)
+            keys, values = self._gather(meta.prefill_blocks, q.dtype)
+            o = F.scaled_dot_product_attention(q_rows.transpose(1, 2), keys, values,
+                                               attn_mask=meta.prefill_mask, scale=self.scale,
+                                               enable_gqa=True).transpose(1, 2)
             valid = meta.prefill_token_valid
             out[meta.prefill_token_index[valid]] = o[valid]
         return out
 
-    def _attend(self, q_rows, k_flat, v_flat, slots, mask) -> torch.Tensor:
-        keys = k_flat[slots].to(q_rows.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-        values = v_flat[slots].to(q_rows.dtype).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q_rows.transpose(1, 2), keys, values, attn_mask=mask,
-                                           scale=self.scale, enable_gqa=True)
-        return o.transpose(1, 2)  # [B, Q, Hq, D]
+    def _gather(self, blocks: torch.Tensor, dtype: torch.dtype):
+        """blocks: [B, Hkv, nb] rows of the [num_blocks * Hkv, bs, D] view -> [B, Hkv, nb*bs, D]."""
+        b, h, nb = blocks.shape
+        bs = self.k_cache.shape[-2]
+        keys = self.k_cache.view(-1, bs, self.head_dim)[blocks].view(b, h, nb * bs, self.head_dim)
+        values = self.v_cache.view(-1, bs, self.head_dim)[blocks].view(b, h, nb * bs, self.head_dim)
+        return keys.to(dtype), values.to(dtype)
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # One query per row: two batched matmuls beat SDPA's CPU kernels (bf16 most of all).
+        rows, group = q.shape[0], self.num_heads // self.num_kv_heads
+        keys, values = self._gather(meta.decode_blocks, q.dtype)
+        q = q.view(rows, self.num_kv_heads, group, self.head_dim)
+        # keys @ q^T keeps the large operand untransposed (a transposed one is copied on CPU).
+        scores = torch.matmul(keys, q.transpose(-1, -2)).float() * self.scale  # [B, Hkv, L, G]
+        scores.masked_fill_(~meta.decode_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-2).to(q.dtype)
+        out = torch.matmul(probs.transpose(-1, -2), values)  # [B, Hkv, G, D]
+        return out.view(rows, self.num_heads, self.head_dim)
+
+    def _flash(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        k_slots = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        v_slots = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k_slots.index_copy_(0, meta.slot_mapping, k.to(k_slots.dtype))
+        v_slots.index_copy_(0, meta.slot_mapping, v.to(v_slots.dtype))
+        return flash_attn_varlen_func(
+            q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k,
+            meta.max_seqlen_q, meta.max_seqlen_k, softmax_scale=self.scale, causal=True,
+            block_table=meta.block_tables)

@@ -2,7 +2,8 @@
 import torch
 from torch import nn
 
-from tritonlm.layers.attention import AttentionMetadata, PagedAttention
+from tritonlm.layers.attention import PagedAttention
+from tritonlm.layers.attention_metadata import AttentionMetadata
 from tritonlm.layers.mlp import GatedMLP
 from tritonlm.layers.norm import RMSNorm
 from tritonlm.layers.rotary import RotaryEmbedding

@@ -1,0 +1,94 @@
+"""Per-step attention inputs, built once with numpy and shared by every layer."""
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's K/V go in the cache and which cached tokens each query sees."""
+    # PyTorch backend: rows of the cache viewed [num_blocks * Hkv * bs, D] for each new (token, head).
+    write_rows: torch.Tensor | None = None  # [T * Hkv]
+    # Rows with a single query token (decodes).
+    decode_token_index: torch.Tensor | None = None  # [Bd]
+    decode_blocks: torch.Tensor | None = None  # [Bd, Hkv, nb] rows of the [blocks * Hkv, bs, D] view
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, nb * bs, 1], True where a key is visible
+    # Rows with several query tokens (prefill chunks), padded to the longest.
+    prefill_token_index: torch.Tensor | None = None  # [Bp, Qp]
+    prefill_token_valid: torch.Tensor | None = None  # [Bp, Qp]
+    prefill_blocks: torch.Tensor | None = None  # [Bp, Hkv, nb]
+    prefill_mask: torch.Tensor | None = None  # [Bp, 1, Qp, nb * bs]
+    # flash-attn backend
+    slot_mapping: torch.Tensor | None = None  # [T]
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
+
+
+@dataclass
+class StepLayout:
+    """A step's chunks as numpy arrays: one row per scheduled sequence."""
+    lens: np.ndarray  # new tokens per row
+    starts: np.ndarray  # tokens already in the cache per row
+    first: np.ndarray  # index of each row's first token in the flat token array
+    positions: np.ndarray  # [T]
+    tables: np.ndarray  # [B, max_blocks] block tables, zero-padded
+    block_size: int
+
+    @property
+    def context(self) -> np.ndarray:
+        return self.starts + self.lens
+
+
+def build_metadata(layout: StepLayout, num_kv_heads: int, use_flash: bool,
+                   to_tensor: Callable[[np.ndarray], torch.Tensor]) -> AttentionMetadata:
+    bs = layout.block_size
+    row = np.repeat(np.arange(len(layout.lens)), layout.lens)
+    block = layout.tables[row, layout.positions // bs]
+    offset = layout.positions % bs
+    if use_flash:
+        return _flash_metadata(layout, block * bs + offset, to_tensor)
+    heads = np.arange(num_kv_heads)
+    write_rows = ((block[:, None] * num_kv_heads + heads) * bs + offset[:, None]).reshape(-1)
+    meta = AttentionMetadata(write_rows=to_tensor(write_rows))
+    context = layout.context
+    decode = layout.lens == 1
+    if decode.any():
+        blocks, keys = _context_blocks(layout, decode, heads)
+        meta.decode_token_index = to_tensor(layout.first[decode])
+        meta.decode_blocks = to_tensor(blocks)
+        meta.decode_mask = to_tensor((keys[None, :] < context[decode][:, None])[:, None, :, None])
+    prefill = ~decode
+    if prefill.any():
+        blocks, keys = _context_blocks(layout, prefill, heads)
+        q = np.arange(int(layout.lens[prefill].max()))
+        valid = q[None, :] < layout.lens[prefill][:, None]
+        query_pos = layout.starts[prefill][:, None] + q[None, :]
+        mask = ((keys[None, None, :] <= query_pos[:, :, None])
+                & (keys[None, None, :] < context[prefill][:, None, None]))
+        meta.prefill_token_index = to_tensor(np.where(valid, layout.first[prefill][:, None] + q, 0))
+        meta.prefill_token_valid = to_tensor(valid)
+        meta.prefill_blocks = to_tensor(blocks)
+        meta.prefill_mask = to_tensor(mask[:, None, :, :])
+    return meta
+
+
+def _context_blocks(layout: StepLayout, rows: np.ndarray, heads: np.ndarray):
+    """(block, head) rows covering the selected rows' contexts, and the key positions they hold."""
+    num_blocks = -(-int(layout.context[rows].max()) // layout.block_size)
+    tables = layout.tables[rows, :num_blocks]
+    blocks = tables[:, None, :] * len(heads) + heads[None, :, None]
+    return blocks, np.arange(num_blocks * layout.block_size)
+
+
+def _flash_metadata(layout: StepLayout, slots: np.ndarray, to_tensor) -> AttentionMetadata:
+    def cumulative(x):
+        return to_tensor(np.concatenate(([0], np.cumsum(x))).astype(np.int32))
+    return AttentionMetadata(
+        slot_mapping=to_tensor(slots), cu_seqlens_q=cumulative(layout.lens),
+        cu_seqlens_k=cumulative(layout.context), max_seqlen_q=int(layout.lens.max()),
+        max_seqlen_k=int(layout.context.max()), block_tables=to_tensor(layout.tables.astype(np.int32)))
