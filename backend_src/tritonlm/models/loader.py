@@ -18,14 +18,26 @@ def load_model(weights_dir: Path, config, dtype: torch.dtype, device: torch.devi
     """The model for `config` with weights from `rank{rank}.safetensors`, in eval mode."""
     with torch.device("meta"):
         model = model_class(config)(config, max_positions)
-    expected = model.state_dict().keys()
+    packed = getattr(model, "packed_modules", {})
     state = {}
     with safe_open(weights_dir / f"rank{rank}.safetensors", framework="pt") as f:
         available = set(f.keys())
-        missing = [name for name in expected if name not in available]
-        if missing:
-            raise ValueError(f"weights missing from {weights_dir}: {missing[:5]}...")
-        for name in expected:
-            state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+        for name in model.state_dict():
+            sources = _checkpoint_names(name, packed)
+            missing = [s for s in sources if s not in available]
+            if missing:
+                raise ValueError(f"weights missing from {weights_dir}: {missing}")
+            tensor = torch.cat([f.get_tensor(s) for s in sources]) if len(sources) > 1 \
+                else f.get_tensor(sources[0])
+            state[name] = tensor.to(device=device, dtype=dtype)
     model.load_state_dict(state, assign=True, strict=True)
     return model.to(device).eval()
+
+
+def _checkpoint_names(name: str, packed: dict[str, tuple[str, ...]]) -> list[str]:
+    """The checkpoint tensors a parameter is made of: itself, or the parts of a fused module."""
+    *path, module, leaf = name.split(".")
+    parts = packed.get(module)
+    if parts is None:
+        return [name]
+    return [".".join([*path, part, leaf]) for part in parts]
