@@ -41,13 +41,13 @@ def bench_tritonlm(llm: LLM, prompts, output_len: int) -> float:
     return sum(len(o.token_ids) for o in outputs) / elapsed
 
 
-def load_hf_model(model_dir: Path):
+def load_hf_model(model_dir: Path, dtype: str):
     """transformers' own implementation holding the same (converted) weights."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
     weights = resolve_model_dir(model_dir) / WEIGHTS_DIR
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(weights),
-                                             dtype=torch.float32)
+                                             dtype=getattr(torch, dtype))
     result = model.load_state_dict(load_file(weights / "rank0.safetensors"), strict=False)
     missing = set(result.missing_keys) - {"lm_head.weight"}  # tied to the embedding
     if missing:
@@ -78,23 +78,25 @@ def main(argv=None) -> None:
     parser.add_argument("--hf-single-requests", type=int, default=4,
                         help="requests HF runs one at a time (tokens/s is measured on these)")
     parser.add_argument("--hf-batch-size", type=int, default=8)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="compute dtype of both engines")
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or default_model_dir(Path(tmp))
-        llm = LLM(str(model_dir))
+        llm = LLM(str(model_dir), dtype=args.dtype)
         prompts = random_prompts(args.requests, args.input_len, llm.engine.vocab_size)
         results = {"tritonlm": bench_tritonlm(llm, prompts, args.output_len)}
         del llm
         if not args.skip_hf:
-            hf = load_hf_model(model_dir)
+            hf = load_hf_model(model_dir, args.dtype)
             results["hf one at a time"] = bench_hf(hf, prompts[:args.hf_single_requests],
                                                    args.output_len, 1)
             results[f"hf static batch {args.hf_batch_size}"] = bench_hf(
                 hf, prompts, args.output_len, args.hf_batch_size)
     print(f"{args.requests} requests x {args.input_len} prompt / {args.output_len} output tokens, "
-          f"greedy, EOS ignored, {torch.get_num_threads()} threads")
+          f"greedy, EOS ignored, {args.dtype}, {torch.get_num_threads()} threads")
     ours = results["tritonlm"]
     for name, tps in results.items():
         ratio = "" if name == "tritonlm" else f"  (tritonlm is {ours / tps:.1f}x)"
