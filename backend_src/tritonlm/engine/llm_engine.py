@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 from tritonlm.config import WEIGHTS_DIR, EngineConfig
@@ -69,6 +70,8 @@ class LLMEngine:
         self.config = EngineConfig.load(model_dir, **overrides)
         self.hf_config = load_config(weights_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(weights_dir)
+        # Requests are tokenized on Triton's threads; the engine thread decodes with its own copy.
+        self._decoder = Tokenizer.from_str(self.tokenizer.backend_tokenizer.to_str())
         # NOTE: attention is never windowed, so a sliding-window model (Mistral) is served up to
         # its window, where full attention is exact.
         limits = (getattr(self.hf_config, "max_position_embeddings", None),
@@ -148,7 +151,7 @@ class LLMEngine:
         seed = p.seed if p.seed is not None else random.getrandbits(63)
         seq = Sequence(next(self._seq_ids), request.request_id, request.prompt_token_ids, p, seed,
                        max_total)
-        detokenizer = IncrementalDetokenizer(self.tokenizer.backend_tokenizer,
+        detokenizer = IncrementalDetokenizer(self._decoder,
                                              request.prompt_token_ids, p.skip_special_tokens,
                                              p.stop, p.include_stop_str_in_output)
         self._tracked[request.request_id] = _Tracked(seq, detokenizer)

@@ -1,0 +1,83 @@
+"""The engine thread: callbacks per delta, cancellation frees blocks, shutdown aborts in flight."""
+import threading
+
+import pytest
+
+from tritonlm.engine.async_engine import AsyncEngine
+from tritonlm.sampling_params import SamplingParams
+
+
+class Collector:
+    def __init__(self):
+        self.outputs = []
+        self.done = threading.Event()
+
+    def __call__(self, output):
+        self.outputs.append(output)
+        if output.finished:
+            self.done.set()
+
+
+@pytest.fixture
+def async_engine(smollm2_llm):
+    engine = AsyncEngine(smollm2_llm.engine)
+    engine.start()
+    yield engine
+    engine.shutdown()
+    assert not engine.is_alive
+
+
+def submit(async_engine, request_id, prompt, cancelled=None, **params):
+    collector = Collector()
+    request = async_engine.engine.make_request(request_id, prompt, SamplingParams(**params))
+    async_engine.submit(request, collector, cancelled)
+    return collector
+
+
+def test_streams_deltas_and_finishes(async_engine, smollm2_llm):
+    collector = submit(async_engine, "a", "Hello", temperature=0, max_tokens=8, ignore_eos=True)
+    assert collector.done.wait(120)
+    offline = smollm2_llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8,
+                                                             ignore_eos=True))[0]
+    assert [t for o in collector.outputs for t in o.token_ids] == offline.token_ids
+    assert "".join(o.text for o in collector.outputs) == offline.text
+    assert [o.finished for o in collector.outputs] == [False] * 7 + [True]
+
+
+def test_cancellation_stops_the_request_and_frees_its_blocks(async_engine):
+    blocks = async_engine.engine.block_manager
+    cancel = threading.Event()
+    collector = submit(async_engine, "c", "Count:", cancelled=cancel.is_set, temperature=0,
+                       max_tokens=500, ignore_eos=True)
+    while len(collector.outputs) < 3:
+        assert not collector.done.wait(0.01)
+    cancel.set()
+    assert collector.done.wait(60)
+    assert collector.outputs[-1].finish_reason == "abort"
+    assert len(collector.outputs) < 100
+    assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_a_failing_callback_aborts_only_its_request(async_engine):
+    def explode(output):
+        raise RuntimeError("client went away")
+    request = async_engine.engine.make_request("bad", "Hi", SamplingParams(max_tokens=50))
+    async_engine.submit(request, explode)
+    good = submit(async_engine, "good", "Hi", temperature=0, max_tokens=6, ignore_eos=True)
+    assert good.done.wait(120)
+    assert sum(len(o.token_ids) for o in good.outputs) == 6
+    assert async_engine.engine.block_manager.num_free_blocks == \
+        async_engine.engine.block_manager.num_blocks
+
+
+def test_shutdown_ends_requests_in_flight_with_abort(smollm2_llm):
+    engine = AsyncEngine(smollm2_llm.engine)
+    engine.start()
+    collector = submit(engine, "s", "Story:", max_tokens=500, ignore_eos=True)
+    while not collector.outputs:
+        assert not collector.done.wait(0.01)
+    engine.shutdown()
+    assert collector.done.is_set() and collector.outputs[-1].finish_reason == "abort"
+    assert not engine.is_alive
+    with pytest.raises(RuntimeError):
+        engine.submit(smollm2_llm.engine.make_request("late", "x", SamplingParams()), Collector())
