@@ -33,9 +33,13 @@ def pytriton_root() -> Path:
 def _backend_files(root: Path) -> dict[str, Path]:
     py = root / "tritonserver" / "backends" / "python"
     stub = root / "tritonserver" / "python_backend_stubs" / PY_VERSION / "triton_python_backend_stub"
-    files = {"libtriton_python.so": py / "libtriton_python.so",
-             "triton_python_backend_utils.py": py / "triton_python_backend_utils.py",
-             "triton_python_backend_stub": stub}
+    if not py.is_dir():
+        raise ServeError(f"nvidia-pytriton lacks the Python backend directory {py}")
+    # The backend library and its Python utilities module, plus this interpreter's stub.
+    files = {path.name: path for path in py.iterdir() if path.suffix in (".so", ".py")}
+    files[stub.name] = stub
+    if not any(name.endswith(".so") for name in files):
+        raise ServeError(f"nvidia-pytriton lacks the Python backend library in {py}")
     for path in files.values():
         if not path.exists():
             raise ServeError(f"nvidia-pytriton lacks {path} (no Python backend stub for Python {PY_VERSION}?)")
