@@ -6,6 +6,7 @@ import pytest
 from tritonlm.engine.block_manager import BlockManager
 from tritonlm.engine.scheduler import Scheduler
 from tritonlm.engine.sequence import FinishReason, Sequence, SequenceStatus
+from tritonlm.engine.step_plan import SampledToken
 from tritonlm.sampling_params import SamplingParams
 
 EOS = 0
@@ -24,7 +25,7 @@ def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=64):
 
 def run_step(sched, token=7):
     plan = sched.schedule()
-    sampled = {c.seq_id: token for c in plan.chunks if c.sampling is not None}
+    sampled = {c.seq_id: SampledToken(token, -1.0, []) for c in plan.chunks if c.sampling is not None}
     sched.update(plan, sampled)
     return plan
 

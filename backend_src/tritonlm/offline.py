@@ -12,6 +12,8 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict] | None = None  # per token, when SamplingParams.logprobs is set
 
 
 class LLM:
@@ -42,4 +44,7 @@ class LLM:
                 result.text += out.text
                 result.token_ids += out.token_ids
                 result.finish_reason = out.finish_reason
+                result.cumulative_logprob = out.cumulative_logprob
+                if out.logprobs is not None:
+                    result.logprobs = (result.logprobs or []) + out.logprobs
         return list(results.values())

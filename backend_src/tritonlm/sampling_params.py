@@ -5,10 +5,8 @@ from dataclasses import dataclass, field, fields
 from tritonlm.errors import InvalidRequestError
 
 # Keys of the contract that later issues implement; naming them gives a precise error.
-_NOT_YET_SUPPORTED = frozenset({
-    "min_p", "typical_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "n",
-    "best_of", "logprobs", "guided_json", "guided_regex", "watermark",
-})
+_NOT_YET_SUPPORTED = frozenset({"n", "best_of", "guided_json", "guided_regex", "watermark"})
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -18,18 +16,26 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0 disables
     top_p: float = 1.0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    bad_words: list[str] = field(default_factory=list)  # never generated
+    logprobs: int | None = None  # top alternatives to report per generated token
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.bad_words = list(self.bad_words)
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name))
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -44,16 +50,33 @@ class SamplingParams:
             _bad("top_k", self.top_k, "must be >= 0 (0 disables it)")
         if not 0 < self.top_p <= 1:
             _bad("top_p", self.top_p, "must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            _bad("min_p", self.min_p, "must be in [0, 1]")
+        if not 0 < self.typical_p <= 1:
+            _bad("typical_p", self.typical_p, "must be in (0, 1]")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            _bad("repetition_penalty", self.repetition_penalty, "must be > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                _bad(name, getattr(self, name), "must be in [-2, 2]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            _bad("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             _bad("seed", self.seed, "must be in [0, 2**63)")
-        if any(not s for s in self.stop):
-            _bad("stop", self.stop, "must not contain empty strings")
+        for name in ("stop", "bad_words"):
+            if any(not s for s in getattr(self, name)):
+                _bad(name, getattr(self, name), "must not contain empty strings")
         if any(t < 0 for t in self.stop_token_ids):
             _bad("stop_token_ids", self.stop_token_ids, "must be non-negative token ids")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0
+                or self.frequency_penalty != 0)
 
     @classmethod
     def from_dict(cls, values: dict) -> "SamplingParams":
@@ -70,11 +93,14 @@ class SamplingParams:
 
 _FIELD_TYPES = {
     "max_tokens": (int, type(None)), "min_tokens": int, "temperature": (int, float),
-    "top_k": int, "top_p": (int, float), "seed": (int, type(None)), "stop": list,
-    "stop_token_ids": list, "include_stop_str_in_output": bool, "ignore_eos": bool,
+    "top_k": int, "top_p": (int, float), "min_p": (int, float), "typical_p": (int, float),
+    "repetition_penalty": (int, float), "presence_penalty": (int, float),
+    "frequency_penalty": (int, float), "logprobs": (int, type(None)),
+    "seed": (int, type(None)), "stop": list,
+    "stop_token_ids": list, "bad_words": list, "include_stop_str_in_output": bool, "ignore_eos": bool,
     "skip_special_tokens": bool,
 }
-_ELEMENT_TYPES = {"stop": str, "stop_token_ids": int}
+_ELEMENT_TYPES = {"stop": str, "bad_words": str, "stop_token_ids": int}
 
 
 def _check_type(name: str, value) -> None:

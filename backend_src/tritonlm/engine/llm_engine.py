@@ -15,6 +15,7 @@ from tritonlm.engine.detokenizer import IncrementalDetokenizer
 from tritonlm.engine.model_runner import ModelRunner
 from tritonlm.engine.scheduler import Scheduler
 from tritonlm.engine.sequence import FinishReason, Sequence
+from tritonlm.engine.step_plan import SampledToken
 from tritonlm.errors import InvalidRequestError
 from tritonlm.models.loader import load_config
 from tritonlm.sampling_params import SamplingParams
@@ -32,6 +33,9 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    cumulative_logprob: float = 0.0
+    # One entry per new token when the request asked for logprobs.
+    logprobs: list[dict] | None = None
     error: str | None = None
 
 
@@ -129,6 +133,12 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt of {len(token_ids)} tokens does not fit the KV cache")
         return Request(request_id, token_ids, params, text)
 
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        # A word may start a text or follow a space, which byte-level vocabularies tell apart.
+        variants = {tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                    for word in words for text in (word, " " + word.lstrip())}
+        return [list(v) for v in variants if v]
+
     def render_chat(self, messages: list[dict]) -> str:
         """The model's own chat template applied to `messages`, with the generation prompt."""
         if not isinstance(messages, list) or not all(
@@ -150,7 +160,7 @@ class LLMEngine:
             max_total = min(max_total, len(request.prompt_token_ids) + p.max_tokens)
         seed = p.seed if p.seed is not None else random.getrandbits(63)
         seq = Sequence(next(self._seq_ids), request.request_id, request.prompt_token_ids, p, seed,
-                       max_total)
+                       max_total, self._bad_words_ids(p.bad_words))
         detokenizer = IncrementalDetokenizer(self._decoder,
                                              request.prompt_token_ids, p.skip_special_tokens,
                                              p.stop, p.include_stop_str_in_output)
@@ -196,7 +206,18 @@ class LLMEngine:
     def _output(self, tracked: _Tracked) -> RequestOutput:
         seq = tracked.seq
         new_tokens = seq.output_token_ids[tracked.num_sent_tokens:]
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = [self._logprob_entry(s) for s in seq.logprobs[tracked.num_sent_tokens:]]
         tracked.num_sent_tokens = seq.num_output_tokens
         return RequestOutput(seq.request_id, tracked.detokenizer.take_delta(seq.is_finished),
                              new_tokens, seq.is_finished, seq.finish_reason,
-                             seq.num_prompt_tokens, seq.num_output_tokens)
+                             seq.num_prompt_tokens, seq.num_output_tokens,
+                             seq.cumulative_logprob, logprobs)
+
+    def _logprob_entry(self, sampled: SampledToken) -> dict:
+        def token(token_id: int, logprob: float) -> dict:
+            return {"token_id": token_id, "token": self._decoder.decode([token_id], False),
+                    "logprob": logprob}
+        return {**token(sampled.token, sampled.logprob),
+                "top_logprobs": [token(t, lp) for t, lp in sampled.top]}

@@ -6,10 +6,11 @@ import numpy as np
 import torch
 
 from tritonlm.config import EngineConfig
-from tritonlm.engine.step_plan import StepPlan
+from tritonlm.engine.step_plan import SampledToken, StepPlan
 from tritonlm.layers.attention import PagedAttention, cache_block_shape, flash_attention_usable
 from tritonlm.layers.attention_metadata import StepLayout, build_metadata
 from tritonlm.layers.sampler import SamplingTensors, sample
+from tritonlm.layers.token_counts import TokenCounts
 from tritonlm.models.loader import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,6 +34,7 @@ class ModelRunner:
         self.num_kv_heads = self.attention_layers[0].num_kv_heads
         self.use_flash = flash_attention_usable(self.device, self.dtype, self.block_size)
         self.num_blocks = self._allocate_kv_cache()
+        self.token_counts = TokenCounts(hf_config.vocab_size, self.device)
 
     def _allocate_kv_cache(self) -> int:
         first = self.attention_layers[0]
@@ -52,16 +54,25 @@ class ModelRunner:
         return num_blocks
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> dict[int, int]:
+    def execute(self, plan: StepPlan) -> dict[int, SampledToken]:
         """Run one step; returns seq_id -> sampled token for the chunks that sample."""
+        self.token_counts.release(plan.finished_seq_ids)
+        self.token_counts.record(plan.chunks)
         input_ids, positions, meta, sample_index = self._prepare(plan)
         hidden = self.model(input_ids, positions, meta)
         sampling_chunks = [c for c in plan.chunks if c.sampling is not None]
         if not sampling_chunks:
             return {}
         logits = self.model.compute_logits(hidden[sample_index])
-        tokens = sample(logits, self._sampling_tensors(sampling_chunks)).tolist()
-        return {c.seq_id: t for c, t in zip(sampling_chunks, tokens)}
+        out = sample(logits, self._sampling_tensors(sampling_chunks))
+        tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()
+        top_ids, top_logprobs = out.top_ids.tolist(), out.top_logprobs.tolist()
+        results = {}
+        for i, chunk in enumerate(sampling_chunks):
+            n = chunk.sampling.params.logprobs or 0
+            top = list(zip(top_ids[i][:n], top_logprobs[i][:n]))
+            results[chunk.seq_id] = SampledToken(tokens[i], logprobs[i], top)
+        return results
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -88,14 +99,29 @@ class ModelRunner:
 
     def _sampling_tensors(self, chunks) -> SamplingTensors:
         rows = [c.sampling for c in chunks]
-        temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32)
-        top_k = torch.tensor([r.top_k for r in rows], dtype=torch.int64)
-        top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32)
-        return SamplingTensors(
-            temperature=temperature.to(self.device), top_k=top_k.to(self.device),
-            top_p=top_p.to(self.device),
+        values = {name: torch.tensor([getattr(r.params, name) for r in rows], dtype=torch.float32)
+                  for name in _FLOAT_PARAMS}
+        top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.int64)
+        truncating = ((top_k > 0) | (values["top_p"] < 1) | (values["min_p"] > 0)
+                      | (values["typical_p"] < 1))
+        tensors = SamplingTensors(
+            **{name: value.to(self.device) for name, value in values.items()},
+            top_k=top_k.to(self.device),
             seeds=torch.tensor([r.seed for r in rows], dtype=torch.int64, device=self.device),
             steps=torch.tensor([r.output_index for r in rows], dtype=torch.int64,
                                device=self.device),
-            all_greedy=bool((temperature == 0).all()),
-            needs_truncation=bool(((top_k > 0) | (top_p < 1)).any()))
+            num_logprobs=max(r.params.logprobs or 0 for r in rows),
+            banned_rows=torch.tensor([i for i, r in enumerate(rows) for _ in r.banned],
+                                     dtype=torch.int64, device=self.device),
+            banned_tokens=torch.tensor([t for r in rows for t in r.banned], dtype=torch.int64,
+                                       device=self.device),
+            all_greedy=bool((values["temperature"] == 0).all()),
+            needs_truncation=bool(truncating.any()))
+        if any(c.track_tokens for c in chunks):
+            tensors.seen, tensors.output_counts = self.token_counts.history(
+                [c.seq_id for c in chunks])
+        return tensors
+
+
+_FLOAT_PARAMS = ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty")

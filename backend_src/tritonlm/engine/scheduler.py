@@ -3,7 +3,7 @@ from collections import deque
 
 from tritonlm.engine.block_manager import BlockManager
 from tritonlm.engine.sequence import FinishReason, Sequence, SequenceStatus
-from tritonlm.engine.step_plan import SamplingRow, ScheduledChunk, StepPlan
+from tritonlm.engine.step_plan import SampledToken, SamplingRow, ScheduledChunk, StepPlan
 
 
 class Scheduler:
@@ -16,6 +16,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order; the last is preempted first
         self.num_preemptions = 0
+        self._finished_ids: list[int] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -26,7 +27,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Pick this step's work: running sequences first, then waiting ones in arrival order."""
-        plan = StepPlan()
+        plan = StepPlan(finished_seq_ids=self._finished_ids)
+        self._finished_ids = []
         budget = self.max_num_batched_tokens
         scheduled: list[Sequence] = []
         while self.running and len(scheduled) < len(self.running) and budget > 0:
@@ -72,13 +74,25 @@ class Scheduler:
         reaches_end = start + num_new == seq.num_tokens
         sampling = None
         if reaches_end:
-            p = seq.params
-            sampling = SamplingRow(p.temperature, p.top_k, p.top_p, seq.seed, seq.num_output_tokens)
+            sampling = SamplingRow(seq.params, seq.seed, seq.num_output_tokens, self._banned(seq))
         plan.chunks.append(ScheduledChunk(seq.seq_id, seq.token_ids[start:start + num_new], start,
-                                          list(seq.block_table), sampling))
+                                          list(seq.block_table), sampling, seq.num_prompt_tokens,
+                                          seq.params.uses_penalties))
         return num_new
 
-    def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
+    def _banned(self, seq: Sequence) -> tuple[int, ...]:
+        """Stop tokens until min_tokens is reached; the last token of any bad word whose other
+        tokens the sequence has just produced."""
+        p = seq.params
+        banned = []
+        if seq.num_output_tokens < p.min_tokens:
+            banned += p.stop_token_ids if p.ignore_eos else [*self.eos_token_ids, *p.stop_token_ids]
+        for word in seq.bad_words_ids:
+            if len(word) == 1 or seq.token_ids[-(len(word) - 1):] == word[:-1]:
+                banned.append(word[-1])
+        return tuple(banned)
+
+    def update(self, plan: StepPlan, sampled: dict[int, SampledToken]) -> list[Sequence]:
         """Apply a step's results (seq_id -> new token); returns the sequences that grew."""
         grown = []
         by_id = {seq.seq_id: seq for seq in self.running}
@@ -89,10 +103,10 @@ class Scheduler:
             seq.num_computed_tokens += len(chunk.token_ids)
             if chunk.sampling is None:
                 continue
-            token = sampled[chunk.seq_id]
-            seq.token_ids.append(token)
+            result = sampled[chunk.seq_id]
+            seq.append(result)
             grown.append(seq)
-            reason = self._token_stop_reason(seq, token)
+            reason = self._token_stop_reason(seq, result.token)
             if reason:
                 self.finish(seq, reason)
         return grown
@@ -119,3 +133,4 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self._finished_ids.append(seq.seq_id)

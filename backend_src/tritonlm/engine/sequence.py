@@ -1,6 +1,7 @@
 """One request's generation state, mutated only by the engine thread."""
 from enum import Enum, auto
 
+from tritonlm.engine.step_plan import SampledToken
 from tritonlm.sampling_params import SamplingParams
 
 
@@ -18,7 +19,8 @@ class FinishReason:
 
 class Sequence:
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams, seed: int, max_total_tokens: int):
+                 params: SamplingParams, seed: int, max_total_tokens: int,
+                 bad_words_ids: list[list[int]] = ()):
         self.seq_id = seq_id
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -28,10 +30,20 @@ class Sequence:
         self.seed = seed
         # min(max_model_len, prompt + max_tokens)
         self.max_total_tokens = max_total_tokens
+        self.bad_words_ids = list(bad_words_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
+        self.cumulative_logprob = 0.0
+        # Per output token when the request asked for logprobs: (token, logprob, top alternatives)
+        self.logprobs: list[SampledToken] = []
+
+    def append(self, sampled: SampledToken) -> None:
+        self.token_ids.append(sampled.token)
+        self.cumulative_logprob += sampled.logprob
+        if self.params.logprobs is not None:
+            self.logprobs.append(sampled)
 
     @property
     def num_tokens(self) -> int:

@@ -1,14 +1,15 @@
 """The typed boundary between the scheduler and the model runner: plain values, no live objects."""
 from dataclasses import dataclass, field
 
+from tritonlm.sampling_params import SamplingParams
+
 
 @dataclass(frozen=True)
 class SamplingRow:
-    temperature: float
-    top_k: int
-    top_p: float
+    params: SamplingParams
     seed: int
     output_index: int  # how many tokens this sequence has generated so far
+    banned: tuple[int, ...]  # tokens that must not be chosen at this step
 
 
 @dataclass(frozen=True)
@@ -19,12 +20,15 @@ class ScheduledChunk:
     start_pos: int
     block_table: list[int]
     sampling: SamplingRow | None  # None: a prefill chunk that does not reach the sequence's end
+    num_prompt_tokens: int
+    track_tokens: bool  # the sequence uses penalties: the runner keeps its token history
 
 
 @dataclass
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted_seq_ids: list[int] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)  # since the previous plan
 
     @property
     def num_tokens(self) -> int:
@@ -33,3 +37,11 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """The runner's result for one sequence: the token, its logprob and the top alternatives."""
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]

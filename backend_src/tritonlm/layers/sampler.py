@@ -1,7 +1,9 @@
 """Batched sampling with per-row parameters: one pass over [rows, vocab], no per-row Python.
 
-Random draws come from a counter-based hash of (seed, output index, token id), so a request's
-samples depend only on its own seed and inputs, never on batch composition or device.
+Order: penalties on the raw logits, then temperature, then the truncations (top-k, top-p, min-p,
+typical), then a draw. Random draws come from a counter-based hash of (seed, output index, token
+id), so a request's samples depend only on its own seed and inputs, never on the batch or device.
+Reported logprobs are those of the model's raw distribution.
 """
 from dataclasses import dataclass
 
@@ -40,39 +42,92 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
 class SamplingTensors:
     temperature: torch.Tensor  # [S] float32, 0 = greedy
     top_k: torch.Tensor  # [S] int64, 0 = off
-    top_p: torch.Tensor  # [S] float32
+    top_p: torch.Tensor  # [S] float32, 1 = off
+    min_p: torch.Tensor  # [S] float32, 0 = off
+    typical_p: torch.Tensor  # [S] float32, 1 = off
+    repetition_penalty: torch.Tensor  # [S] float32, 1 = off
+    presence_penalty: torch.Tensor  # [S] float32, 0 = off
+    frequency_penalty: torch.Tensor  # [S] float32, 0 = off
     seeds: torch.Tensor  # [S] int64
     steps: torch.Tensor  # [S] int64
+    num_logprobs: int  # top alternatives to report per row (the largest any row asked for)
+    banned_rows: torch.Tensor  # [K] with banned_tokens: (row, token) pairs that must not be chosen
+    banned_tokens: torch.Tensor  # [K]
     all_greedy: bool
-    needs_truncation: bool  # some row uses top_k or top_p
+    needs_truncation: bool
+    # Token history for penalties ([S, V]), None when no row uses a penalty.
+    seen: torch.Tensor | None = None  # bool: in the prompt or the output so far
+    output_counts: torch.Tensor | None = None  # occurrences in the output so far
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """logits [S, V] -> token ids [S]."""
-    logits = logits.float()
-    greedy_tokens = logits.argmax(dim=-1)
-    if t.all_greedy:
-        return greedy_tokens
-    greedy = t.temperature == 0
-    scaled = logits / torch.where(greedy, 1.0, t.temperature)[:, None]
-    if t.needs_truncation:
-        scaled = _truncate(scaled, t.top_k, t.top_p)
-    probs = torch.softmax(scaled, dim=-1)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
-    exponential = -torch.log(uniform_noise(t.seeds, t.steps, logits.shape[-1]))
-    sampled = (probs / exponential).argmax(dim=-1)
-    return torch.where(greedy, greedy_tokens, sampled)
+@dataclass
+class SamplerOutput:
+    tokens: torch.Tensor  # [S]
+    logprobs: torch.Tensor  # [S] of the chosen tokens
+    top_ids: torch.Tensor  # [S, N]
+    top_logprobs: torch.Tensor  # [S, N]
 
 
-def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+    """logits [S, V] -> chosen tokens with their logprobs and the top-N alternatives."""
+    raw = logits.float()
+    logits = apply_penalties(raw, t) if t.seen is not None else raw
+    if t.banned_rows.numel():
+        logits = logits.index_put((t.banned_rows, t.banned_tokens),
+                                  torch.tensor(float("-inf"), device=logits.device))
+    tokens = logits.argmax(dim=-1)
+    if not t.all_greedy:
+        greedy = t.temperature == 0
+        scaled = logits / torch.where(greedy, 1.0, t.temperature)[:, None]
+        if t.needs_truncation:
+            scaled = truncate(scaled, t)
+        probs = torch.softmax(scaled, dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
+        exponential = -torch.log(uniform_noise(t.seeds, t.steps, logits.shape[-1]))
+        tokens = torch.where(greedy, tokens, (probs / exponential).argmax(dim=-1))
+    normalizer = torch.logsumexp(raw, dim=-1, keepdim=True)
+    chosen = raw.gather(-1, tokens[:, None]) - normalizer
+    top_values, top_ids = raw.topk(t.num_logprobs, dim=-1)
+    return SamplerOutput(tokens, chosen.squeeze(-1), top_ids, top_values - normalizer)
+
+
+def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """HF's repetition penalty over prompt and output; OpenAI's presence/frequency over output."""
+    penalty = t.repetition_penalty[:, None]
+    repeated = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = torch.where(t.seen, repeated, logits)
+    counts = t.output_counts.float()
+    return (logits - t.frequency_penalty[:, None] * counts
+            - t.presence_penalty[:, None] * (counts > 0).float())
+
+
+def truncate(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Mask (with -inf) what top-k, top-p, min-p and typical decoding exclude, per row."""
+    vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, logits.shape[-1])[:, None]
-    drop = rank >= k
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    drop = rank >= torch.where(t.top_k > 0, t.top_k, vocab)[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    # Keep the smallest prefix whose probability reaches top_p (the first token always stays).
+    # top-p: keep the smallest prefix whose probability reaches top_p
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    drop |= (mass_before >= t.top_p[:, None]) & (t.top_p[:, None] < 1)
+    # min-p: drop what is less likely than min_p times the most likely token
+    drop |= sorted_probs < t.min_p[:, None] * sorted_probs[:, :1]
+    drop[:, 0] = False
+    kept = torch.empty_like(logits).scatter_(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return _typical(kept, t.typical_p) if bool((t.typical_p < 1).any()) else kept
+
+
+def _typical(logits: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
+    # Keep the tokens whose surprise is closest to the entropy until their mass reaches typical_p.
+    log_probs = torch.log_softmax(logits, dim=-1)
+    probs = log_probs.exp()
+    entropy = -(log_probs * probs).nansum(dim=-1, keepdim=True)
+    distance, order = (-log_probs - entropy).abs().sort(dim=-1)
+    cumulative = probs.gather(-1, order).cumsum(dim=-1)
+    last = (cumulative < typical_p[:, None]).sum(dim=-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
+    drop = distance > distance.gather(-1, last)
+    drop[:, 0] = False
+    drop &= (typical_p < 1)[:, None]
+    return logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))

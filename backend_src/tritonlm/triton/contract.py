@@ -13,19 +13,32 @@ class TensorSpec:
     dims: tuple[int, ...]
 
 
-# Scalar sampling keys that may also arrive as individual tensors.
+# Scalar sampling keys that may also arrive as individual tensors (not `logprobs`, which names an
+# output; it comes in sampling_parameters or as a request parameter).
 SAMPLING_TENSORS = (
     TensorSpec("max_tokens", "INT32", (1,)),
     TensorSpec("min_tokens", "INT32", (1,)),
     TensorSpec("temperature", "FP32", (1,)),
     TensorSpec("top_k", "INT32", (1,)),
     TensorSpec("top_p", "FP32", (1,)),
+    TensorSpec("min_p", "FP32", (1,)),
+    TensorSpec("typical_p", "FP32", (1,)),
+    TensorSpec("repetition_penalty", "FP32", (1,)),
+    TensorSpec("presence_penalty", "FP32", (1,)),
+    TensorSpec("frequency_penalty", "FP32", (1,)),
     TensorSpec("seed", "INT64", (1,)),
     TensorSpec("ignore_eos", "BOOL", (1,)),
     TensorSpec("include_stop_str_in_output", "BOOL", (1,)),
     TensorSpec("skip_special_tokens", "BOOL", (1,)),
     TensorSpec("stop", "STRING", (-1,)),
     TensorSpec("stop_token_ids", "INT64", (-1,)),
+    TensorSpec("bad_words", "STRING", (-1,)),
+    # TensorRT-LLM's names (request_parser maps them)
+    TensorSpec("stop_words", "STRING", (-1,)),
+    TensorSpec("end_id", "INT32", (1,)),
+    TensorSpec("random_seed", "INT64", (1,)),
+    TensorSpec("min_length", "INT32", (1,)),
+    TensorSpec("beam_width", "INT32", (1,)),
 )
 
 RETURN_FLAGS = (
@@ -33,6 +46,8 @@ RETURN_FLAGS = (
     "return_num_input_tokens",
     "return_num_output_tokens",
     "return_token_ids",
+    "return_logprobs",
+    "return_cumulative_logprob",
 )
 
 INPUTS = (
@@ -52,6 +67,8 @@ OUTPUTS = (
     TensorSpec("finish_reason", "STRING", (-1,)),
     TensorSpec("num_input_tokens", "UINT32", (1,)),
     TensorSpec("num_output_tokens", "UINT32", (-1,)),
+    TensorSpec("cumulative_logprob", "FP32", (-1,)),
+    TensorSpec("logprobs", "STRING", (-1,)),
 )
 
 

@@ -11,7 +11,8 @@ from tritonlm.sampling_params import SamplingParams
 from tritonlm.triton.contract import RETURN_FLAGS, SAMPLING_TENSORS
 
 TensorGetter = Callable[[str], np.ndarray | None]
-_LIST_KEYS = {"stop", "stop_token_ids"}
+_LIST_KEYS = {"stop", "stop_token_ids", "bad_words", "stop_words"}
+_TRTLLM_ALIASES = {"stop_words": "stop", "random_seed": "seed", "min_length": "min_tokens"}
 
 
 @dataclass
@@ -30,13 +31,17 @@ def parse_request(get: TensorGetter, parameters_json: str | None) -> ParsedReque
     sampling = _json_object(_text(get, "sampling_parameters"), "sampling_parameters")
     sampling.update(_request_parameters(parameters_json))
     sampling.update(_sampling_tensors(get))
+    _resolve_trtllm_names(sampling)
+    return_flags = frozenset(f for f in RETURN_FLAGS if _flag(get, f, False))
+    if "return_logprobs" in return_flags:
+        sampling.setdefault("logprobs", 0)  # the chosen tokens' logprobs at least
     return ParsedRequest(
         prompt=prompt,
         messages=messages,
         params=SamplingParams.from_dict(sampling),
         stream=_flag(get, "stream", False),
         exclude_input_in_output=_flag(get, "exclude_input_in_output", True),
-        return_flags=frozenset(f for f in RETURN_FLAGS if _flag(get, f, False)),
+        return_flags=return_flags,
     )
 
 
@@ -100,6 +105,25 @@ def _request_parameters(parameters_json: str | None) -> dict:
     # keys Triton itself adds start with "triton_".
     params = _json_object(parameters_json, "request parameters")
     return {k: v for k, v in params.items() if not k.startswith("triton_")}
+
+
+def _resolve_trtllm_names(sampling: dict) -> None:
+    for alias, key in _TRTLLM_ALIASES.items():
+        if alias in sampling:
+            value = sampling.pop(alias)
+            if key in sampling and sampling[key] != value:
+                raise InvalidRequestError(f"{alias} {value!r} conflicts with {key} {sampling[key]!r}")
+            sampling[key] = value
+    if "end_id" in sampling:
+        end_id = sampling.pop("end_id")
+        if isinstance(end_id, bool) or not isinstance(end_id, int):
+            raise InvalidRequestError(f"end_id must be a token id, got {end_id!r}")
+        stop_ids = sampling.get("stop_token_ids", [])
+        sampling["stop_token_ids"] = [*stop_ids, end_id] if isinstance(stop_ids, list) else stop_ids
+    beam_width = sampling.pop("beam_width", 1)
+    if beam_width != 1:
+        raise InvalidRequestError(f"beam_width must be 1 (beam search is not supported), "
+                                  f"got {beam_width!r}")
 
 
 def _sampling_tensors(get: TensorGetter) -> dict:
