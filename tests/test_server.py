@@ -145,3 +145,34 @@ def test_exclude_input_in_output_false_echoes_the_prompt(smollm2_server):
                                  exclude_input_in_output=False)
     assert error is None and text_of(results[0]).startswith(prompt)
     assert len(text_of(results[0])) > len(prompt)
+
+
+def test_logprobs_and_cumulative_logprob_outputs(smollm2_server):
+    sampling = {"temperature": 0, "max_tokens": 6, "ignore_eos": True, "logprobs": 3}
+    results, error = grpc_stream(smollm2_server.grpc_url, "The sun is", sampling, stream=False,
+                                 return_logprobs=True, return_cumulative_logprob=True)
+    assert error is None
+    entries = [json.loads(e) for e in results[0].as_numpy("logprobs")]
+    assert [e["token_id"] for e in entries] == results[0].as_numpy("token_ids").tolist()
+    assert all(len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["token_id"] == e["token_id"]
+               for e in entries)  # greedy picks the most likely token
+    assert float(results[0].as_numpy("cumulative_logprob")[0]) == pytest.approx(
+        sum(e["logprob"] for e in entries), abs=1e-4)
+
+
+def test_streamed_stop_string_and_trtllm_names(smollm2_server):
+    sampling = {"temperature": 0, "max_tokens": 30, "ignore_eos": True}
+    full, _ = grpc_stream(smollm2_server.grpc_url, "One, two, three, four,", sampling, stream=False)
+    text = text_of(full[0])
+    stop = text[8:14]
+    streamed, error = grpc_stream(smollm2_server.grpc_url, "One, two, three, four,",
+                                  {**sampling, "stop_words": [stop]})
+    assert error is None
+    assert "".join(text_of(r) for r in streamed) == text[:text.index(stop)]
+    assert streamed[-1].as_numpy("finish_reason").tolist() == [b"stop"]
+    body = {"text_input": "One, two, three, four,", "temperature": 0, "ignore_eos": True,
+            "max_tokens": 30, "min_length": 30, "end_id": full[0].as_numpy("token_ids")[3].item(),
+            "return_token_ids": True}
+    status, reply = http_post(smollm2_server.http_url, "/v2/models/llm/generate", body)
+    assert status == 200, reply
+    assert len(json.loads(reply)["token_ids"]) == 30  # end_id is banned until min_length

@@ -21,6 +21,15 @@ BAD_SAMPLING = [
     ({"top_k": -1}, "top_k"),
     ({"max_tokens": "ten"}, "max_tokens"),
     ({"no_such_key": 1}, "no_such_key"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"typical_p": 0}, "typical_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"logprobs": 50}, "logprobs"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"stop": "x", "bad_words": [""]}, "bad_words"),
+    ({"n": 2}, "'n'"),
 ]
 
 
@@ -34,6 +43,8 @@ def bad_http_requests():
     yield {"text_input": "hi", "max_tokens": 0}, "max_tokens"  # as a tensor
     yield {"text_input": "hi", "top_p": 2.0}, "top_p"
     yield {"text_input": "hi", "bogus_parameter": 1}, "bogus_parameter"  # request parameter
+    yield {"text_input": "hi", "beam_width": 4}, "beam_width"  # a TensorRT-LLM tensor
+    yield {"text_input": "hi", "random_seed": 1, "seed": 2}, "random_seed"
 
 
 def test_every_bad_input_gets_an_error_while_a_good_request_completes(smollm2_server):
