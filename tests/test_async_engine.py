@@ -39,8 +39,8 @@ def test_streams_deltas_and_finishes(async_engine, smollm2_llm):
     assert collector.done.wait(120)
     offline = smollm2_llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8,
                                                              ignore_eos=True))[0]
-    assert [t for o in collector.outputs for t in o.token_ids] == offline.token_ids
-    assert "".join(o.text for o in collector.outputs) == offline.text
+    assert [t for o in collector.outputs for t in o.sequences[0].token_ids] == offline.token_ids
+    assert "".join(o.sequences[0].text for o in collector.outputs) == offline.text
     assert [o.finished for o in collector.outputs] == [False] * 7 + [True]
 
 
@@ -53,7 +53,7 @@ def test_cancellation_stops_the_request_and_frees_its_blocks(async_engine):
         assert not collector.done.wait(0.01)
     cancel.set()
     assert collector.done.wait(60)
-    assert collector.outputs[-1].finish_reason == "abort"
+    assert collector.outputs[-1].sequences[0].finish_reason == "abort"
     assert len(collector.outputs) < 100
     assert blocks.num_free_blocks == blocks.num_blocks
 
@@ -65,7 +65,7 @@ def test_a_failing_callback_aborts_only_its_request(async_engine):
     async_engine.submit(request, explode)
     good = submit(async_engine, "good", "Hi", temperature=0, max_tokens=6, ignore_eos=True)
     assert good.done.wait(120)
-    assert sum(len(o.token_ids) for o in good.outputs) == 6
+    assert sum(len(o.sequences[0].token_ids) for o in good.outputs) == 6
     assert async_engine.engine.block_manager.num_free_blocks == \
         async_engine.engine.block_manager.num_blocks
 
@@ -77,7 +77,8 @@ def test_shutdown_ends_requests_in_flight_with_abort(smollm2_llm):
     while not collector.outputs:
         assert not collector.done.wait(0.01)
     engine.shutdown()
-    assert collector.done.is_set() and collector.outputs[-1].finish_reason == "abort"
+    assert collector.done.is_set()
+    assert collector.outputs[-1].sequences[0].finish_reason == "abort"
     assert not engine.is_alive
     with pytest.raises(RuntimeError):
         engine.submit(smollm2_llm.engine.make_request("late", "x", SamplingParams()), Collector())

@@ -176,3 +176,19 @@ def test_streamed_stop_string_and_trtllm_names(smollm2_server):
     status, reply = http_post(smollm2_server.http_url, "/v2/models/llm/generate", body)
     assert status == 200, reply
     assert len(json.loads(reply)["token_ids"]) == 30  # end_id is banned until min_length
+
+
+def test_n_sequences_in_one_response_and_streamed_by_index(smollm2_server):
+    sampling = {"temperature": 1.2, "seed": 7, "max_tokens": 8, "n": 2, "ignore_eos": True}
+    whole, error = grpc_stream(smollm2_server.grpc_url, "My favourite animal is", sampling,
+                               stream=False)
+    assert error is None and len(whole) == 1
+    texts = [t.decode() for t in whole[0].as_numpy("text_output")]
+    assert len(texts) == 2 and texts[0] != texts[1]
+    assert whole[0].as_numpy("num_output_tokens").tolist() == [8, 8]
+    assert len(whole[0].as_numpy("token_ids")) == 16
+    assert whole[0].as_numpy("finish_reason").tolist() == [b"length", b"length"]
+    streamed, error = grpc_stream(smollm2_server.grpc_url, "My favourite animal is", sampling)
+    assert error is None
+    assert ["".join(r.as_numpy("text_output")[i].decode() for r in streamed) for i in (0, 1)] \
+        == texts

@@ -3,17 +3,33 @@ import itertools
 from dataclasses import dataclass, field
 
 from tritonlm.engine.llm_engine import LLMEngine
+from tritonlm.engine.request_state import SequenceOutput
 from tritonlm.sampling_params import SamplingParams
 
 
 @dataclass
-class CompletionOutput:
-    prompt_token_ids: list[int]
+class Choice:
+    """One generated sequence."""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict] | None = None  # per token, when SamplingParams.logprobs is set
+
+    def extend(self, delta: SequenceOutput) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.finish_reason = delta.finish_reason
+        self.cumulative_logprob = delta.cumulative_logprob
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+
+
+@dataclass
+class CompletionOutput(Choice):
+    """A request's result: its first sequence's fields, and all n sequences in `choices`."""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    choices: list[Choice] = field(default_factory=list)
 
 
 class LLM:
@@ -37,14 +53,13 @@ class LLM:
         for prompt, p in zip(prompts, params):
             request = self.engine.make_request(f"offline-{next(self._ids)}", prompt, p)
             self.engine.add(request)
-            results[request.request_id] = CompletionOutput(request.prompt_token_ids)
+            results[request.request_id] = CompletionOutput(
+                prompt_token_ids=request.prompt_token_ids,
+                choices=[Choice() for _ in range(p.n)])
         while self.engine.has_unfinished:
             for out in self.engine.step():
                 result = results[out.request_id]
-                result.text += out.text
-                result.token_ids += out.token_ids
-                result.finish_reason = out.finish_reason
-                result.cumulative_logprob = out.cumulative_logprob
-                if out.logprobs is not None:
-                    result.logprobs = (result.logprobs or []) + out.logprobs
+                for delta in out.sequences:
+                    result.choices[delta.index].extend(delta)
+                result.extend(out.sequences[0])
         return list(results.values())

@@ -5,7 +5,8 @@ from dataclasses import dataclass, field, fields
 from tritonlm.errors import InvalidRequestError
 
 # Keys of the contract that later issues implement; naming them gives a precise error.
-_NOT_YET_SUPPORTED = frozenset({"n", "best_of", "guided_json", "guided_regex", "watermark"})
+_NOT_YET_SUPPORTED = frozenset({"guided_json", "guided_regex", "watermark"})
+MAX_SEQUENCES = 16
 MAX_LOGPROBS = 20
 
 
@@ -29,6 +30,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     bad_words: list[str] = field(default_factory=list)  # never generated
     logprobs: int | None = None  # top alternatives to report per generated token
+    n: int = 1  # sequences returned
+    best_of: int | None = None  # sequences generated, the n with the best cumulative logprob kept
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -61,6 +64,13 @@ class SamplingParams:
                 _bad(name, getattr(self, name), "must be in [-2, 2]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             _bad("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
+        if not 1 <= self.n <= MAX_SEQUENCES:
+            _bad("n", self.n, f"must be in [1, {MAX_SEQUENCES}]")
+        if self.best_of is not None and not self.n <= self.best_of <= MAX_SEQUENCES:
+            _bad("best_of", self.best_of, f"must be in [n, {MAX_SEQUENCES}]")
+        if (self.best_of or self.n) > 1 and self.temperature == 0:
+            _bad("temperature", self.temperature, "must be > 0 when n or best_of exceed 1 "
+                 "(greedy sequences would all be the same)")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             _bad("seed", self.seed, "must be in [0, 2**63)")
         for name in ("stop", "bad_words"):
@@ -95,7 +105,8 @@ _FIELD_TYPES = {
     "max_tokens": (int, type(None)), "min_tokens": int, "temperature": (int, float),
     "top_k": int, "top_p": (int, float), "min_p": (int, float), "typical_p": (int, float),
     "repetition_penalty": (int, float), "presence_penalty": (int, float),
-    "frequency_penalty": (int, float), "logprobs": (int, type(None)),
+    "frequency_penalty": (int, float), "logprobs": (int, type(None)), "n": int,
+    "best_of": (int, type(None)),
     "seed": (int, type(None)), "stop": list,
     "stop_token_ids": list, "bad_words": list, "include_stop_str_in_output": bool, "ignore_eos": bool,
     "skip_special_tokens": bool,

@@ -5,7 +5,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tritonlm.engine.llm_engine import LLMEngine, Request, RequestOutput
+from tritonlm.engine.llm_engine import LLMEngine, Request
+from tritonlm.engine.request_state import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -126,5 +127,4 @@ class AsyncEngine:
 
 
 def _error_output(request: Request, error: str) -> RequestOutput:
-    return RequestOutput(request.request_id, "", [], True, None, len(request.prompt_token_ids), 0,
-                         error=error)
+    return RequestOutput(request.request_id, [], True, len(request.prompt_token_ids), error=error)

@@ -13,6 +13,7 @@ from tritonlm.config import WEIGHTS_DIR, EngineConfig
 from tritonlm.engine.block_manager import BlockManager
 from tritonlm.engine.detokenizer import IncrementalDetokenizer
 from tritonlm.engine.model_runner import ModelRunner
+from tritonlm.engine.request_state import RequestOutput, RequestState
 from tritonlm.engine.scheduler import Scheduler
 from tritonlm.engine.sequence import FinishReason, Sequence
 from tritonlm.engine.step_plan import SampledToken
@@ -24,35 +25,12 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class RequestOutput:
-    """What one step added to a request: deltas, plus totals."""
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    cumulative_logprob: float = 0.0
-    # One entry per new token when the request asked for logprobs.
-    logprobs: list[dict] | None = None
-    error: str | None = None
-
-
-@dataclass
 class Request:
     """A validated, tokenized request, ready for the engine thread."""
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt_text: str | None = None
-
-
-class _Tracked:
-    def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer):
-        self.seq = seq
-        self.detokenizer = detokenizer
-        self.num_sent_tokens = 0
 
 
 def resolve_model_dir(path: str | Path) -> Path:
@@ -89,7 +67,7 @@ class LLMEngine:
                                    self._eos_token_ids(weights_dir))
         self.vocab_size = self.hf_config.vocab_size
         self._seq_ids = itertools.count()
-        self._tracked: dict[str, _Tracked] = {}
+        self._requests: dict[str, RequestState] = {}
 
     def _eos_token_ids(self, weights_dir: Path) -> frozenset[int]:
         ids = set()
@@ -152,7 +130,7 @@ class LLMEngine:
 
     def add(self, request: Request) -> None:
         """Queue a prepared request; it joins the running batch at the next step."""
-        if request.request_id in self._tracked:
+        if request.request_id in self._requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
         p = request.params
         max_total = self.max_model_len
@@ -161,20 +139,25 @@ class LLMEngine:
         seed = p.seed if p.seed is not None else random.getrandbits(63)
         seq = Sequence(next(self._seq_ids), request.request_id, request.prompt_token_ids, p, seed,
                        max_total, self._bad_words_ids(p.bad_words))
-        detokenizer = IncrementalDetokenizer(self._decoder,
-                                             request.prompt_token_ids, p.skip_special_tokens,
-                                             p.stop, p.include_stop_str_in_output)
-        self._tracked[request.request_id] = _Tracked(seq, detokenizer)
+
+        def make_detokenizer():
+            return IncrementalDetokenizer(self._decoder, request.prompt_token_ids,
+                                          p.skip_special_tokens, p.stop,
+                                          p.include_stop_str_in_output)
+        self._requests[request.request_id] = RequestState(seq, make_detokenizer,
+                                                          self._logprob_entry)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request at once and free its blocks; its final output, if it was running."""
-        tracked = self._tracked.pop(request_id, None)
-        if tracked is None:
+        state = self._requests.pop(request_id, None)
+        if state is None:
             return None
-        self.scheduler.finish(tracked.seq, FinishReason.ABORT)
-        self._log_finished(tracked.seq)
-        return self._output(tracked)
+        state.num_sequences = len(state.seqs)  # sequences not forked yet never will be
+        for seq in state.seqs:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+        self._log_finished(state)
+        return state.output()
 
     @property
     def has_unfinished(self) -> bool:
@@ -186,34 +169,38 @@ class LLMEngine:
         if plan.is_empty:
             return []
         sampled = self.runner.execute(plan)
-        outputs = []
+        advanced: dict[str, RequestState] = {}
         for seq in self.scheduler.update(plan, sampled):
-            tracked = self._tracked[seq.request_id]
-            if tracked.detokenizer.add_tokens(seq.token_ids, final=seq.is_finished):
+            state = advanced.setdefault(seq.request_id, self._requests[seq.request_id])
+            if state.on_new_token(seq):
                 self.scheduler.finish(seq, FinishReason.STOP)
-            outputs.append(self._output(tracked))
-            if seq.is_finished:
-                del self._tracked[seq.request_id]
-                self._log_finished(seq)
+            if state.needs_fork and seq.num_output_tokens == 1:
+                self._fork(state, seq)
+        outputs = []
+        for state in advanced.values():
+            output = state.output()
+            if output is not None:
+                outputs.append(output)
+            if state.finished:
+                del self._requests[state.request_id]
+                self._log_finished(state)
         return outputs
 
-    def _log_finished(self, seq: Sequence) -> None:
-        logger.info("request %s finished: reason=%s prompt_tokens=%d output_tokens=%d "
-                    "free_blocks=%d/%d", seq.request_id, seq.finish_reason, seq.num_prompt_tokens,
-                    seq.num_output_tokens, self.block_manager.num_free_blocks,
-                    self.block_manager.num_blocks)
+    def _fork(self, state: RequestState, first: Sequence) -> None:
+        """n / best_of: the other sequences share the prompt's KV blocks with the first."""
+        for index in range(len(state.seqs), state.num_sequences):
+            seed = (first.seed + index * _SEED_STRIDE) % (1 << 63)
+            child = Sequence(next(self._seq_ids), first.request_id, first.prompt_token_ids,
+                             first.params, seed, first.max_total_tokens, first.bad_words_ids, index)
+            state.add_sequence(child)
+            self.scheduler.fork(first, child)
 
-    def _output(self, tracked: _Tracked) -> RequestOutput:
-        seq = tracked.seq
-        new_tokens = seq.output_token_ids[tracked.num_sent_tokens:]
-        logprobs = None
-        if seq.params.logprobs is not None:
-            logprobs = [self._logprob_entry(s) for s in seq.logprobs[tracked.num_sent_tokens:]]
-        tracked.num_sent_tokens = seq.num_output_tokens
-        return RequestOutput(seq.request_id, tracked.detokenizer.take_delta(seq.is_finished),
-                             new_tokens, seq.is_finished, seq.finish_reason,
-                             seq.num_prompt_tokens, seq.num_output_tokens,
-                             seq.cumulative_logprob, logprobs)
+    def _log_finished(self, state: RequestState) -> None:
+        logger.info("request %s finished: reason=%s prompt_tokens=%d output_tokens=%d "
+                    "free_blocks=%d/%d", state.request_id,
+                    ",".join(str(s.finish_reason) for s in state.seqs), state.num_prompt_tokens,
+                    sum(s.num_output_tokens for s in state.seqs),
+                    self.block_manager.num_free_blocks, self.block_manager.num_blocks)
 
     def _logprob_entry(self, sampled: SampledToken) -> dict:
         def token(token_id: int, logprob: float) -> dict:
@@ -221,3 +208,6 @@ class LLMEngine:
                     "logprob": logprob}
         return {**token(sampled.token, sampled.logprob),
                 "top_logprobs": [token(t, lp) for t, lp in sampled.top]}
+
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's sequences

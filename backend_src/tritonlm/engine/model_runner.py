@@ -58,6 +58,9 @@ class ModelRunner:
         """Run one step; returns seq_id -> sampled token for the chunks that sample."""
         self.token_counts.release(plan.finished_seq_ids)
         self.token_counts.record(plan.chunks)
+        if plan.block_copies:  # copy on write of shared blocks, before this step writes them
+            source, target = (torch.tensor(i, device=self.device) for i in zip(*plan.block_copies))
+            self.kv_cache[:, :, target] = self.kv_cache[:, :, source]
         input_ids, positions, meta, sample_index = self._prepare(plan)
         hidden = self.model(input_ids, positions, meta)
         sampling_chunks = [c for c in plan.chunks if c.sampling is not None]

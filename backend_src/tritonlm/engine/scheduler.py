@@ -21,6 +21,12 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Queue `child` first in line, sharing the KV of `parent`'s prompt but its last token,
+        which the child computes itself to sample its own first token."""
+        self.block_manager.share(parent, child, parent.num_prompt_tokens - 1)
+        self.waiting.appendleft(child)
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -69,7 +75,9 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _schedule_chunk(self, seq: Sequence, num_new: int, plan: StepPlan) -> int:
-        self.block_manager.grow(seq, num_new)
+        copy = self.block_manager.grow(seq, num_new)
+        if copy is not None:
+            plan.block_copies.append(copy)
         start = seq.num_computed_tokens
         reaches_end = start + num_new == seq.num_tokens
         sampling = None

@@ -20,8 +20,9 @@ class FinishReason:
 class Sequence:
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, max_total_tokens: int,
-                 bad_words_ids: list[list[int]] = ()):
+                 bad_words_ids: list[list[int]] = (), index: int = 0):
         self.seq_id = seq_id
+        self.index = index  # among the request's n / best_of sequences
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -52,6 +53,10 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -29,6 +29,7 @@ class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted_seq_ids: list[int] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # since the previous plan
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, target) blocks
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,8 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from tritonlm.engine.async_engine import AsyncEngine
-from tritonlm.engine.llm_engine import LLMEngine, RequestOutput
+from tritonlm.engine.llm_engine import LLMEngine
+from tritonlm.engine.request_state import RequestOutput
 from tritonlm.errors import InvalidRequestError
 from tritonlm.triton.request_parser import parse_request
 from tritonlm.triton.response_builder import ResponseBuilder
@@ -71,7 +72,7 @@ class TritonPythonModel:
             flags = FINAL if out.finished else 0
             if out.error is not None:
                 sender.send(_error_response(out.error), flags=FINAL)
-            elif out.finish_reason == "abort" and sender.is_cancelled():
+            elif out.finished and sender.is_cancelled():
                 sender.send(flags=FINAL)
             else:
                 arrays = builder.on_output(out)

@@ -1,0 +1,83 @@
+"""One request's sequences (n / best_of), their detokenizers, and the outputs sent so far."""
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tritonlm.engine.detokenizer import IncrementalDetokenizer
+from tritonlm.engine.sequence import Sequence
+from tritonlm.engine.step_plan import SampledToken
+
+
+@dataclass
+class SequenceOutput:
+    """What one step added to one sequence of a request (all of it for best_of results)."""
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0  # total so far
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict] | None = None  # one entry per new token when logprobs were asked for
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    sequences: list[SequenceOutput]  # index order, n of them (empty deltas included)
+    finished: bool
+    num_prompt_tokens: int
+    error: str | None = None
+
+
+class RequestState:
+    def __init__(self, first: Sequence, make_detokenizer: Callable[[], IncrementalDetokenizer],
+                 logprob_entry: Callable[[SampledToken], dict]):
+        params = first.params
+        self.request_id = first.request_id
+        self.num_prompt_tokens = first.num_prompt_tokens
+        self.n = params.n
+        self.num_sequences = params.best_of or params.n
+        self.make_detokenizer = make_detokenizer
+        self.logprob_entry = logprob_entry
+        self.seqs: list[Sequence] = []
+        self.detokenizers: list[IncrementalDetokenizer] = []
+        self.num_sent: list[int] = []
+        self.add_sequence(first)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        self.seqs.append(seq)
+        self.detokenizers.append(self.make_detokenizer())
+        self.num_sent.append(0)
+
+    @property
+    def needs_fork(self) -> bool:
+        return len(self.seqs) < self.num_sequences
+
+    @property
+    def finished(self) -> bool:
+        return not self.needs_fork and all(s.is_finished for s in self.seqs)
+
+    def on_new_token(self, seq: Sequence) -> bool:
+        """Detokenize `seq`'s latest token; True if a stop string ended it."""
+        return self.detokenizers[seq.index].add_tokens(seq.token_ids, final=seq.is_finished)
+
+    def output(self) -> RequestOutput | None:
+        """Deltas since the last call; best_of > n reports only once, the n best at the end."""
+        if self.num_sequences > self.n:
+            if not self.finished:
+                return None
+            best = sorted(self.seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:self.n]
+            deltas = [self._delta(seq, index) for index, seq in enumerate(best)]
+        else:
+            deltas = [self._delta(seq, seq.index) for seq in self.seqs]
+            deltas += [SequenceOutput(i) for i in range(len(deltas), self.n)]
+        return RequestOutput(self.request_id, deltas, self.finished, self.num_prompt_tokens)
+
+    def _delta(self, seq: Sequence, index: int) -> SequenceOutput:
+        sent = self.num_sent[seq.index]
+        self.num_sent[seq.index] = seq.num_output_tokens
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = [self.logprob_entry(s) for s in seq.logprobs[sent:]]
+        return SequenceOutput(index, self.detokenizers[seq.index].take_delta(seq.is_finished),
+                              seq.output_token_ids[sent:], seq.finish_reason,
+                              seq.num_output_tokens, seq.cumulative_logprob, logprobs)
