@@ -195,3 +195,12 @@ def test_token_counts_chunked_prefill_decode_recompute_and_release():
     assert tc.rows[3] == row
     expect(tc, 3, [8], [9])
     expect(tc, 4, other_prompt, other_outputs)
+
+
+def test_top_k_keeps_ties_like_transformers():
+    from transformers.generation.logits_process import TopKLogitsWarper
+    from tritonlm.layers.sampler import truncate
+    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0]])
+    ours = truncate(logits, tensors(1, top_k=2))
+    reference = TopKLogitsWarper(2)(None, logits.clone())
+    assert torch.isfinite(ours).tolist() == torch.isfinite(reference).tolist()

@@ -192,3 +192,14 @@ def test_n_sequences_in_one_response_and_streamed_by_index(smollm2_server):
     assert error is None
     assert ["".join(r.as_numpy("text_output")[i].decode() for r in streamed) for i in (0, 1)] \
         == texts
+
+
+@pytest.mark.parametrize("add", [True, False])
+def test_messages_with_and_without_the_generation_prompt(smollm2_server, smollm2_tokenizer, add):
+    body = {"messages": json.dumps(QUESTION), "add_generation_prompt": add, "max_tokens": 1,
+            "return_num_input_tokens": True}
+    status, text = http_post(smollm2_server.http_url, "/v2/models/llm/generate", body)
+    assert status == 200, text
+    rendered = smollm2_tokenizer.apply_chat_template(QUESTION, add_generation_prompt=add,
+                                                     return_dict=False)
+    assert json.loads(text)["num_input_tokens"] == len(rendered)

@@ -10,6 +10,7 @@ RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_o
 
 # Triton datatype of every request field this client sends (see shared/design/triton-io.md).
 FIELD_TYPES = {"text_input": "BYTES", "input_ids": "INT64", "messages": "BYTES", "stream": "BOOL",
+               "add_generation_prompt": "BOOL",
                "sampling_parameters": "BYTES", **{flag: "BOOL" for flag in RETURN_FLAGS}}
 
 
@@ -112,13 +113,18 @@ class BaseClient:
         """Like generate, yielding Deltas as the server produces them."""
         return self._deltas(request_fields(prompt, stream=True, sampling=sampling))
 
-    def chat(self, messages: Sequence[Mapping[str, str]], **sampling) -> Completion:
-        """Answer a conversation ([{"role": ..., "content": ...}]) using the model's chat template."""
-        return merge(self._responses(request_fields(messages=messages, stream=False, sampling=sampling)))
+    def chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
+             **sampling) -> Completion:
+        """Answer a conversation ([{"role": ..., "content": ...}]) using the model's chat template;
+        add_generation_prompt=False continues the last message instead."""
+        fields = request_fields(messages=messages, stream=False, sampling=sampling)
+        return merge(self._responses({**fields, "add_generation_prompt": add_generation_prompt}))
 
-    def chat_stream(self, messages: Sequence[Mapping[str, str]], **sampling) -> Iterator[Delta]:
+    def chat_stream(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
+                    **sampling) -> Iterator[Delta]:
         """Like chat, yielding Deltas as they arrive."""
-        return self._deltas(request_fields(messages=messages, stream=True, sampling=sampling))
+        fields = request_fields(messages=messages, stream=True, sampling=sampling)
+        return self._deltas({**fields, "add_generation_prompt": add_generation_prompt})
 
     def _deltas(self, fields: dict[str, Any]) -> Iterator[Delta]:
         responses = self._responses(fields)

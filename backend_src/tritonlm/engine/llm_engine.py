@@ -80,14 +80,14 @@ class LLMEngine:
         return frozenset(ids)
 
     def make_request(self, request_id: str, prompt: str | list[int] | None = None,
-                     params: SamplingParams | None = None, messages: list[dict] | None = None
-                     ) -> Request:
+                     params: SamplingParams | None = None, messages: list[dict] | None = None,
+                     add_generation_prompt: bool = True) -> Request:
         """Validate and tokenize; raises InvalidRequestError. Safe to call from any thread."""
         params = params or SamplingParams()
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("give exactly one of a prompt (text or token ids) or messages")
         if messages is not None:
-            prompt = self.render_chat(messages)
+            prompt = self.render_chat(messages, add_generation_prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
@@ -117,8 +117,8 @@ class LLMEngine:
                     for word in words for text in (word, " " + word.lstrip())}
         return [list(v) for v in variants if v]
 
-    def render_chat(self, messages: list[dict]) -> str:
-        """The model's own chat template applied to `messages`, with the generation prompt."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The model's own chat template applied to `messages`."""
         if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), str) for m in messages) or not messages:
@@ -126,7 +126,7 @@ class LLMEngine:
         if not self.tokenizer.chat_template:
             raise InvalidRequestError("this model has no chat template; send text_input instead")
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True)
+                                                  add_generation_prompt=add_generation_prompt)
 
     def add(self, request: Request) -> None:
         """Queue a prepared request; it joins the running batch at the next step."""

@@ -105,8 +105,9 @@ def truncate(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Mask (with -inf) what top-k, top-p, min-p and typical decoding exclude, per row."""
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=logits.device)[None, :]
-    drop = rank >= torch.where(t.top_k > 0, t.top_k, vocab)[:, None]
+    # top-k keeps ties with the k-th largest logit, as transformers does
+    k = torch.where(t.top_k > 0, t.top_k, vocab).clamp(max=vocab)
+    drop = sorted_logits < sorted_logits.gather(-1, (k - 1)[:, None])
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     # top-p: keep the smallest prefix whose probability reaches top_p

@@ -62,7 +62,7 @@ class TritonPythonModel:
         parsed = parse_request(get, request.parameters())
         request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
         prepared = self.engine.make_request(request_id, parsed.prompt, parsed.params,
-                                            parsed.messages)
+                                            parsed.messages, parsed.add_generation_prompt)
         prompt_text = prepared.prompt_text
         if prompt_text is None and not parsed.exclude_input_in_output:
             prompt_text = self.engine.tokenizer.decode(prepared.prompt_token_ids)

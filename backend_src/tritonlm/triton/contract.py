@@ -54,6 +54,7 @@ INPUTS = (
     TensorSpec("text_input", "STRING", (1,)),
     TensorSpec("input_ids", "INT64", (-1,)),
     TensorSpec("messages", "STRING", (1,)),
+    TensorSpec("add_generation_prompt", "BOOL", (1,)),  # with messages; default true
     TensorSpec("stream", "BOOL", (1,)),
     TensorSpec("sampling_parameters", "STRING", (1,)),
     TensorSpec("exclude_input_in_output", "BOOL", (1,)),

@@ -19,6 +19,7 @@ _TRTLLM_ALIASES = {"stop_words": "stop", "random_seed": "seed", "min_length": "m
 class ParsedRequest:
     prompt: str | list[int] | None
     messages: list | None
+    add_generation_prompt: bool
     params: SamplingParams
     stream: bool
     exclude_input_in_output: bool
@@ -38,6 +39,7 @@ def parse_request(get: TensorGetter, parameters_json: str | None) -> ParsedReque
     return ParsedRequest(
         prompt=prompt,
         messages=messages,
+        add_generation_prompt=_flag(get, "add_generation_prompt", True),
         params=SamplingParams.from_dict(sampling),
         stream=_flag(get, "stream", False),
         exclude_input_in_output=_flag(get, "exclude_input_in_output", True),

@@ -61,9 +61,22 @@ def resolve_max_model_len(requested: int | None, max_positions: int) -> int:
     return requested
 
 
+def load_chat_template(tokenizer, path: str | Path) -> str:
+    """A custom chat template, checked by rendering a short conversation with it."""
+    template = Path(path).read_text()
+    sample = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+              {"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}]
+    try:
+        tokenizer.apply_chat_template(sample, chat_template=template, tokenize=False,
+                                      add_generation_prompt=True)
+    except Exception as e:  # jinja2 syntax and template errors alike
+        raise ConversionError(f"chat template {path} does not render: {e}") from None
+    return template
+
+
 def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto",
             max_model_len: int | None = None, trust_pickle: bool = False,
-            instance_kind: str | None = None) -> Path:
+            instance_kind: str | None = None, chat_template: str | Path | None = None) -> Path:
     """Convert SRC into the Triton model directory OUTPUT/NAME and return its path."""
     if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*", name):
         raise ConversionError(f"model name {name!r} must be a plain directory name")
@@ -75,6 +88,8 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
     config = canonical_config(source.raw_config, source.arch, dtype)
     shapes = select_tensors(source.arch, config, source.tensor_shapes())
     tokenizer = source.tokenizer()
+    if chat_template is not None:
+        tokenizer.chat_template = load_chat_template(tokenizer, chat_template)
     if len(tokenizer) > config["vocab_size"]:
         raise ConversionError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's "
                               f"vocab_size {config['vocab_size']}")
