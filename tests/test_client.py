@@ -130,3 +130,11 @@ def test_cli_chat_answers_each_stdin_line_and_exits_on_eof(smollm2_server):
               stdin=f"{QUESTION[0]['content']}\n{follow_up}\n")
     assert "Paris" in first
     assert out == f"{first}\n{second}\n"
+
+
+def test_n_sequences_come_back_as_texts(client):
+    sampling = {"temperature": 1.2, "seed": 3, "max_tokens": 6, "n": 3, "ignore_eos": True}
+    whole = client.generate("Name a fruit:", **sampling)
+    assert len(whole.texts) == 3 and whole.text == whole.texts[0]
+    assert whole.num_output_tokens == 18 and len(whole.token_ids) == 18
+    assert whole.finish_reason == "length"

@@ -134,3 +134,13 @@ def test_chat_rendering_matches_transformers_and_custom_templates(smollm2_llm, s
     with __import__("pytest").raises(subprocess.CalledProcessError) as failure:
         run_convert("default", tmp_path / "repo2", "--chat-template", str(tmp_path / "broken.jinja"))
     assert "chat template" in failure.value.stderr
+
+
+def test_skip_special_tokens(smollm2_llm, smollm2_tokenizer, chat_prompt):
+    params = dict(temperature=0, max_tokens=64)
+    kept, = smollm2_llm.generate([chat_prompt], SamplingParams(skip_special_tokens=False, **params))
+    skipped, = smollm2_llm.generate([chat_prompt], SamplingParams(**params))
+    assert kept.finish_reason == "stop" and kept.token_ids == skipped.token_ids
+    assert kept.text == smollm2_tokenizer.decode(kept.token_ids, skip_special_tokens=False)
+    assert kept.text.endswith(smollm2_tokenizer.eos_token)
+    assert skipped.text == smollm2_tokenizer.decode(kept.token_ids, skip_special_tokens=True)

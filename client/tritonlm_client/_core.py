@@ -28,12 +28,14 @@ class Delta:
 
 @dataclass
 class Completion:
-    """A whole generation result."""
+    """A whole generation result; with n > 1, `texts` holds every sequence's text by index and
+    `text` the first."""
     text: str
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
+    texts: list[str] = field(default_factory=list)
 
 
 def request_fields(prompt: str | Sequence[int] | None = None, messages: Sequence[Mapping] | None = None,
@@ -74,9 +76,11 @@ def _text(value: Any) -> str:
 def parse_outputs(outputs: Mapping[str, Any]) -> Completion:
     """One response's output tensors (from gRPC as numpy or from HTTP as JSON) as a Completion."""
     n_in, n_out = _items(outputs.get("num_input_tokens")), _items(outputs.get("num_output_tokens"))
-    return Completion(text=_text(outputs.get("text_output")),
+    texts = [_text(t) for t in _items(outputs.get("text_output"))]
+    reasons = _items(outputs.get("finish_reason"))
+    return Completion(text=texts[0] if texts else "", texts=texts,
                       token_ids=[int(t) for t in _items(outputs.get("token_ids"))],
-                      finish_reason=_text(outputs.get("finish_reason")) or None,
+                      finish_reason=(_text(reasons[0]) if reasons else "") or None,
                       num_input_tokens=int(n_in[0]) if n_in else None,
                       num_output_tokens=sum(int(n) for n in n_out) if n_out else None)
 
@@ -84,16 +88,17 @@ def parse_outputs(outputs: Mapping[str, Any]) -> Completion:
 def merge(parts: Iterable[Completion]) -> Completion:
     """Concatenate the responses of one request into its Completion."""
     total = Completion(text="")
-    texts = []
     for part in parts:
-        texts.append(part.text)
+        total.texts += [""] * (len(part.texts) - len(total.texts))
+        for index, text in enumerate(part.texts):
+            total.texts[index] += text
         total.token_ids.extend(part.token_ids)
         total.finish_reason = part.finish_reason or total.finish_reason
         if part.num_input_tokens is not None:
             total.num_input_tokens = part.num_input_tokens
         if part.num_output_tokens is not None:
             total.num_output_tokens = (total.num_output_tokens or 0) + part.num_output_tokens
-    total.text = "".join(texts)
+    total.text = total.texts[0] if total.texts else ""
     return total
 
 
