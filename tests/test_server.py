@@ -203,3 +203,15 @@ def test_messages_with_and_without_the_generation_prompt(smollm2_server, smollm2
     rendered = smollm2_tokenizer.apply_chat_template(QUESTION, add_generation_prompt=add,
                                                      return_dict=False)
     assert json.loads(text)["num_input_tokens"] == len(rendered)
+
+
+def test_streamed_chinese_and_emoji_never_break_utf8(smollm2_server):
+    prompt = "请用中文回答：今天天气怎么样？😀🎉"
+    sampling = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
+    streamed, error = grpc_stream(smollm2_server.grpc_url, prompt, sampling)
+    assert error is None
+    chunks = [text_of(r) for r in streamed]  # each chunk decodes as UTF-8 on its own
+    assert all("\ufffd" not in c for c in chunks)
+    whole, _ = grpc_stream(smollm2_server.grpc_url, prompt, sampling, stream=False)
+    assert "".join(chunks) == text_of(whole[0])
+    assert any(ord(ch) > 0x2E80 for ch in "".join(chunks))  # the model did emit CJK or emoji
