@@ -29,7 +29,10 @@ BAD_SAMPLING = [
     ({"logprobs": 50}, "logprobs"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ({"stop": "x", "bad_words": [""]}, "bad_words"),
-    ({"n": 2}, "'n'"),
+    ({"n": 0}, "n must"),
+    ({"n": 2, "best_of": 1}, "best_of"),
+    ({"n": 2, "temperature": 0}, "temperature"),
+    ({"guided_json": {}}, "guided_json"),
 ]
 
 

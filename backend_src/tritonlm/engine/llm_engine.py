@@ -50,6 +50,9 @@ class LLMEngine:
         model_dir = resolve_model_dir(model_dir)
         weights_dir = model_dir / WEIGHTS_DIR
         self.config = EngineConfig.load(model_dir, **overrides)
+        if self.config.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size {self.config.tensor_parallel_size} is not "
+                             "supported yet; convert with one rank")
         self.hf_config = load_config(weights_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(weights_dir)
         # Requests are tokenized on Triton's threads; the engine thread decodes with its own copy.

@@ -51,11 +51,13 @@ class TokenCounts:
         token_rows = np.repeat(rows, lens)
         tokens = np.concatenate([c.token_ids for c in tracked])
         in_prompt = positions < np.repeat([c.num_prompt_tokens for c in tracked], lens)
-        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
-        self.prompt_seen[to(token_rows[in_prompt]), to(tokens[in_prompt])] = True
-        out_rows, out_tokens = to(token_rows[~in_prompt]), to(tokens[~in_prompt])
+        self.prompt_seen[self._tensor(token_rows[in_prompt]), self._tensor(tokens[in_prompt])] = True
+        out_rows, out_tokens = self._tensor(token_rows[~in_prompt]), self._tensor(tokens[~in_prompt])
         self.output_counts.index_put_((out_rows, out_tokens),
                                       torch.ones_like(out_rows, dtype=torch.int32), accumulate=True)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
     def history(self, seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(seen in prompt or output, output counts) as [len(seq_ids), V]; zeros if untracked."""
