@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from tritonlm.engine.llm_engine import LLMEngine, Request
 from tritonlm.engine.request_state import RequestOutput
+from tritonlm.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,10 @@ class AsyncEngine:
                 aborts, self._aborts = self._aborts, []
             for handle in incoming:
                 self._admit(handle)
-            for request_id in aborts + self._cancelled_ids():
+            for request_id in self._cancelled_ids():
+                self.engine.report_error("cancelled")
+                self._abort(request_id)
+            for request_id in aborts:
                 self._abort(request_id)
             try:
                 outputs = self.engine.step()
@@ -86,6 +90,7 @@ class AsyncEngine:
         try:
             self.engine.add(handle.request)
         except Exception as exc:
+            self.engine.report_error("invalid" if isinstance(exc, InvalidRequestError) else "internal")
             self._send(handle, _error_output(handle.request, str(exc)))
             return
         self._active[handle.request.request_id] = handle
@@ -121,6 +126,7 @@ class AsyncEngine:
             output = self.engine.abort(request_id)
             handle = self._active.pop(request_id)
             if error is not None:
+                self.engine.report_error("internal")
                 self._send(handle, _error_output(handle.request, error))
             elif output is not None:
                 self._send(handle, output)

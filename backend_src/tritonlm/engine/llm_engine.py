@@ -3,7 +3,8 @@ import itertools
 import json
 import logging
 import random
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -16,6 +17,8 @@ from tritonlm.engine.model_runner import ModelRunner
 from tritonlm.engine.request_state import RequestOutput, RequestState
 from tritonlm.engine.scheduler import Scheduler
 from tritonlm.engine.sequence import FinishReason, Sequence
+from tritonlm.engine.stats import (EngineObserver, FinishedRequest, RateLimitedWarning,
+                                   RequestTimeline, StepStats)
 from tritonlm.engine.step_plan import SampledToken
 from tritonlm.errors import InvalidRequestError
 from tritonlm.models.loader import load_config
@@ -31,6 +34,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt_text: str | None = None
+    arrival: float = field(default_factory=time.time)
+    trace_parent: str | None = None  # W3C traceparent to continue
 
 
 def resolve_model_dir(path: str | Path) -> Path:
@@ -71,6 +76,10 @@ class LLMEngine:
         self.vocab_size = self.hf_config.vocab_size
         self._seq_ids = itertools.count()
         self._requests: dict[str, RequestState] = {}
+        self._seq_requests: dict[int, RequestState] = {}
+        self.observers: list[EngineObserver] = []
+        self._warn_preemption = RateLimitedWarning()
+        self._warn_cache_full = RateLimitedWarning()
 
     def _eos_token_ids(self, weights_dir: Path) -> frozenset[int]:
         ids = set()
@@ -147,20 +156,28 @@ class LLMEngine:
             return IncrementalDetokenizer(self._decoder, request.prompt_token_ids,
                                           p.skip_special_tokens, p.stop,
                                           p.include_stop_str_in_output)
-        self._requests[request.request_id] = RequestState(seq, make_detokenizer,
-                                                          self._logprob_entry)
+        state = RequestState(seq, make_detokenizer, self._logprob_entry,
+                             RequestTimeline(request.arrival), request.trace_parent)
+        self._requests[request.request_id] = state
+        self._seq_requests[seq.seq_id] = state
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request at once and free its blocks; its final output, if it was running."""
-        state = self._requests.pop(request_id, None)
+        state = self._requests.get(request_id)
         if state is None:
             return None
         state.num_sequences = len(state.seqs)  # sequences not forked yet never will be
         for seq in state.seqs:
             self.scheduler.finish(seq, FinishReason.ABORT)
-        self._log_finished(state)
-        return state.output()
+        output = state.output()
+        self._finished(state)
+        return output
+
+    def report_error(self, kind: str) -> None:
+        """Count a request that failed outside the step loop ("invalid", "cancelled", ...)."""
+        for observer in self.observers:
+            observer.on_request_error(kind)
 
     @property
     def has_unfinished(self) -> bool:
@@ -169,12 +186,18 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration over the running batch; outputs for every request that advanced."""
         plan = self.scheduler.schedule()
+        self._report_step(plan)
         if plan.is_empty:
             return []
+        start = time.time()
+        for chunk in plan.chunks:
+            timeline = self._seq_requests[chunk.seq_id].timeline
+            timeline.scheduled = timeline.scheduled or start
         sampled = self.runner.execute(plan)
         advanced: dict[str, RequestState] = {}
         for seq in self.scheduler.update(plan, sampled):
             state = advanced.setdefault(seq.request_id, self._requests[seq.request_id])
+            state.timeline.first_token = state.timeline.first_token or time.time()
             if state.on_new_token(seq):
                 self.scheduler.finish(seq, FinishReason.STOP)
             if state.needs_fork and seq.num_output_tokens == 1:
@@ -185,9 +208,26 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
             if state.finished:
-                del self._requests[state.request_id]
-                self._log_finished(state)
+                self._finished(state)
         return outputs
+
+    def _report_step(self, plan) -> None:
+        scheduler, blocks = self.scheduler, self.block_manager
+        if plan.preempted_seq_ids:
+            self._warn_preemption("preempted %d sequences (%d in all): the KV cache of %d blocks "
+                                  "is too small for this load", len(plan.preempted_seq_ids),
+                                  scheduler.num_preemptions, blocks.num_blocks)
+        if scheduler.blocked_by_cache:
+            self._warn_cache_full("KV cache exhausted: %d requests wait for free blocks",
+                                  len(scheduler.waiting))
+        if not self.observers:
+            return
+        stats = StepStats(len(scheduler.running), len(scheduler.waiting),
+                          sum(s.num_output_tokens > 0 for s in scheduler.waiting),
+                          blocks.num_blocks - blocks.num_free_blocks, blocks.num_blocks,
+                          len(plan.preempted_seq_ids))
+        for observer in self.observers:
+            observer.on_step(stats)
 
     def _fork(self, state: RequestState, first: Sequence) -> None:
         """n / best_of: the other sequences share the prompt's KV blocks with the first."""
@@ -196,14 +236,26 @@ class LLMEngine:
             child = Sequence(next(self._seq_ids), first.request_id, first.prompt_token_ids,
                              first.params, seed, first.max_total_tokens, first.bad_words_ids, index)
             state.add_sequence(child)
+            self._seq_requests[child.seq_id] = state
             self.scheduler.fork(first, child)
 
-    def _log_finished(self, state: RequestState) -> None:
+    def _finished(self, state: RequestState) -> None:
+        del self._requests[state.request_id]
+        for seq in state.seqs:
+            del self._seq_requests[seq.seq_id]
+        timeline = state.timeline
+        timeline.finished = time.time()
+        finished = FinishedRequest(state.request_id, timeline, state.num_prompt_tokens,
+                                   sum(s.num_output_tokens for s in state.seqs),
+                                   state.seqs[0].finish_reason, state.trace_parent)
+        ttft = timeline.first_token - timeline.arrival if timeline.first_token else float("nan")
         logger.info("request %s finished: reason=%s prompt_tokens=%d output_tokens=%d "
-                    "free_blocks=%d/%d", state.request_id,
-                    ",".join(str(s.finish_reason) for s in state.seqs), state.num_prompt_tokens,
-                    sum(s.num_output_tokens for s in state.seqs),
+                    "ttft=%.3fs total=%.3fs free_blocks=%d/%d", state.request_id,
+                    finished.finish_reason, finished.num_prompt_tokens, finished.num_output_tokens,
+                    ttft, timeline.finished - timeline.arrival,
                     self.block_manager.num_free_blocks, self.block_manager.num_blocks)
+        for observer in self.observers:
+            observer.on_request_finished(finished)
 
     def _logprob_entry(self, sampled: SampledToken) -> dict:
         def token(token_id: int, logprob: float) -> dict:

@@ -1,9 +1,11 @@
 """One request's sequences (n / best_of), their detokenizers, and the outputs sent so far."""
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tritonlm.engine.detokenizer import IncrementalDetokenizer
 from tritonlm.engine.sequence import Sequence
+from tritonlm.engine.stats import RequestTimeline
 from tritonlm.engine.step_plan import SampledToken
 
 
@@ -30,7 +32,8 @@ class RequestOutput:
 
 class RequestState:
     def __init__(self, first: Sequence, make_detokenizer: Callable[[], IncrementalDetokenizer],
-                 logprob_entry: Callable[[SampledToken], dict]):
+                 logprob_entry: Callable[[SampledToken], dict], timeline: RequestTimeline,
+                 trace_parent: str | None = None):
         params = first.params
         self.request_id = first.request_id
         self.num_prompt_tokens = first.num_prompt_tokens
@@ -38,6 +41,8 @@ class RequestState:
         self.num_sequences = params.best_of or params.n
         self.make_detokenizer = make_detokenizer
         self.logprob_entry = logprob_entry
+        self.timeline = timeline
+        self.trace_parent = trace_parent
         self.seqs: list[Sequence] = []
         self.detokenizers: list[IncrementalDetokenizer] = []
         self.num_sent: list[int] = []
@@ -58,7 +63,10 @@ class RequestState:
 
     def on_new_token(self, seq: Sequence) -> bool:
         """Detokenize `seq`'s latest token; True if a stop string ended it."""
-        return self.detokenizers[seq.index].add_tokens(seq.token_ids, final=seq.is_finished)
+        start = time.perf_counter()
+        stopped = self.detokenizers[seq.index].add_tokens(seq.token_ids, final=seq.is_finished)
+        self.timeline.detokenize_seconds += time.perf_counter() - start
+        return stopped
 
     def output(self) -> RequestOutput | None:
         """Deltas since the last call; best_of > n reports only once, the n best at the end."""

@@ -17,6 +17,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order; the last is preempted first
         self.num_preemptions = 0
         self._finished_ids: list[int] = []
+        self.blocked_by_cache = False  # the last schedule() left requests waiting for blocks
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -44,11 +45,13 @@ class Scheduler:
                 break  # seq itself was preempted: nothing admitted after it either
             scheduled.append(seq)
             budget -= self._schedule_chunk(seq, num_new, plan)
+        self.blocked_by_cache = bool(plan.preempted_seq_ids)
         if not plan.preempted_seq_ids:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
                 num_new = min(seq.num_uncomputed_tokens, budget)
                 if not self.block_manager.can_grow(seq, num_new):
+                    self.blocked_by_cache = True
                     break
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
