@@ -21,6 +21,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     tensor_parallel_size: int = 1
     device: str = "auto"
+    # OTLP/HTTP traces endpoint (TRITONLM_OTLP_ENDPOINT overrides it); None: no tracing
+    otlp_endpoint: str | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

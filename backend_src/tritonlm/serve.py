@@ -19,12 +19,14 @@ import urllib.request
 from pathlib import Path
 
 from tritonlm.bundled_server import ServeError, backend_directory, check_libpython, pytriton_root
+from tritonlm.tracing import ENDPOINT_VARIABLE
+from tritonlm.triton.contract import EXPLICIT_CONTROL_VARIABLE
 
 __all__ = ["ServeError", "build_command", "TritonServerProcess", "main"]
 
 
 def build_command(repo, http_port=8000, grpc_port=8001, metrics_port=8002, log_verbose=0,
-                  extra_args=()) -> tuple[list[str], dict[str, str]]:
+                  extra_args=(), otlp_endpoint=None) -> tuple[list[str], dict[str, str]]:
     """argv and environment that run the bundled tritonserver on `repo`."""
     repo = Path(repo)
     if not repo.is_dir():
@@ -39,11 +41,16 @@ def build_command(repo, http_port=8000, grpc_port=8001, metrics_port=8002, log_v
     env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [libs, env.get("LD_LIBRARY_PATH")]))
     env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
     check_libpython(backends / "python" / "triton_python_backend_stub", env)
+    # Explicit model control lets a model whose engine died unload itself, i.e. report not ready.
+    env[EXPLICIT_CONTROL_VARIABLE] = "1"
+    if otlp_endpoint:
+        env[ENDPOINT_VARIABLE] = otlp_endpoint
     argv = [str(server), f"--model-repository={repo.resolve()}", f"--backend-directory={backends}",
             f"--cache-directory={root / 'tritonserver' / 'caches'}",
             f"--http-port={http_port}", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}",
             "--allow-metrics=true", f"--log-verbose={log_verbose}",
-            "--exit-on-error=true", "--strict-readiness=true", "--disable-auto-complete-config"]
+            "--exit-on-error=true", "--strict-readiness=true", "--disable-auto-complete-config",
+            "--model-control-mode=explicit", "--load-model=*"]
     if not Path("/dev/nvidiactl").exists():
         argv.append("--allow-gpu-metrics=false")  # no NVML here: skip the DCGM/NVML probe
     return argv + list(extra_args), env
@@ -60,9 +67,10 @@ class TritonServerProcess:
     """tritonserver as a child process (its own session, terminated if this process dies)."""
 
     def __init__(self, repo, http_port=8000, grpc_port=8001, metrics_port=8002, log_verbose=0,
-                 extra_args=(), stdout=None, stderr=None):
+                 extra_args=(), stdout=None, stderr=None, otlp_endpoint=None):
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
-        self.argv, self.env = build_command(repo, http_port, grpc_port, metrics_port, log_verbose, extra_args)
+        self.argv, self.env = build_command(repo, http_port, grpc_port, metrics_port, log_verbose,
+                                            extra_args, otlp_endpoint)
         self._io = (stdout, stderr)
         self.proc: subprocess.Popen | None = None
 
@@ -135,12 +143,15 @@ def main(argv=None) -> int:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--log-verbose", type=int, default=0)
+    parser.add_argument("--otlp-endpoint", metavar="URL",
+                        help="export request traces over OTLP/HTTP (e.g. http://host:4318/v1/traces)")
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     args, extra = parser.parse_args(argv[:cut]), argv[cut + 1:]
     try:
         server = TritonServerProcess(args.model_repository, args.http_port, args.grpc_port,
-                                     args.metrics_port, args.log_verbose, extra)
+                                     args.metrics_port, args.log_verbose, extra,
+                                     otlp_endpoint=args.otlp_endpoint)
     except ServeError as err:
         print(f"tritonlm-serve: error: {err}", file=sys.stderr)
         return 2

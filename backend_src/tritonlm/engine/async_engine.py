@@ -12,6 +12,8 @@ from tritonlm.errors import InvalidRequestError
 logger = logging.getLogger(__name__)
 
 OutputCallback = Callable[[RequestOutput], None]
+# A step failing this often in a row is a broken engine, not a bad batch.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 @dataclass
@@ -29,6 +31,9 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._active: dict[str, _Handle] = {}
         self._stopping = False
+        self.death: Exception | None = None  # why the loop died, if it did
+        # Called on the engine thread once if the loop dies (not on shutdown).
+        self.on_death: Callable[[Exception], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="tritonlm-engine", daemon=True)
 
     def start(self) -> None:
@@ -43,7 +48,8 @@ class AsyncEngine:
         """Queue a prepared request; `on_output` runs on the engine thread for every delta."""
         with self._lock:
             if self._stopping:
-                raise RuntimeError("the engine is shutting down")
+                raise RuntimeError(f"the engine has stopped: {self.death}" if self.death
+                                   else "the engine is shutting down")
             self._incoming.append(_Handle(request, on_output, is_cancelled))
             self._lock.notify()
 
@@ -61,6 +67,25 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     def _loop(self) -> None:
+        try:
+            self._run()
+        except Exception as exc:
+            logger.exception("the engine loop died with %d requests in flight; the model stops "
+                             "serving", len(self._active))
+            self.death = exc
+            with self._lock:
+                self._stopping = True
+                self._incoming, handles = [], self._incoming
+            for handle in handles:
+                self._send(handle, _error_output(handle.request, f"the engine has stopped: {exc}"))
+            self._fail_all(f"the engine has stopped: {exc}")
+            if self.on_death is not None:
+                self.on_death(exc)
+            return
+        self._fail_all(None)
+
+    def _run(self) -> None:
+        failures = 0
         while True:
             with self._lock:
                 while not (self._stopping or self._incoming or self._aborts or self._active):
@@ -79,12 +104,15 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # a failed step fails its requests, not the server
+                failures += 1
+                if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                    raise RuntimeError(f"{failures} engine steps failed in a row") from exc
                 logger.exception("engine step failed")
                 self._fail_all(f"internal error in the engine step: {exc}")
                 continue
+            failures = 0
             for output in outputs:
                 self._deliver(output)
-        self._fail_all(None)
 
     def _admit(self, handle: _Handle) -> None:
         try:

@@ -186,8 +186,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration over the running batch; outputs for every request that advanced."""
         plan = self.scheduler.schedule()
-        self._report_step(plan)
         if plan.is_empty:
+            self._report_step(plan)
             return []
         start = time.time()
         for chunk in plan.chunks:
@@ -209,6 +209,7 @@ class LLMEngine:
                 outputs.append(output)
             if state.finished:
                 self._finished(state)
+        self._report_step(plan)  # after the step, so an idle engine reports idle values
         return outputs
 
     def _report_step(self, plan) -> None:

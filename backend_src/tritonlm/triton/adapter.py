@@ -4,6 +4,7 @@
 """
 import json
 import logging
+import os
 import uuid
 from pathlib import Path
 
@@ -13,6 +14,9 @@ from tritonlm.engine.async_engine import AsyncEngine
 from tritonlm.engine.llm_engine import LLMEngine
 from tritonlm.engine.request_state import RequestOutput
 from tritonlm.errors import InvalidRequestError
+from tritonlm.tracing import RequestTracer, otlp_endpoint
+from tritonlm.triton.contract import EXPLICIT_CONTROL_VARIABLE
+from tritonlm.triton.metrics import TritonMetrics
 from tritonlm.triton.request_parser import parse_request
 from tritonlm.triton.response_builder import ResponseBuilder
 
@@ -35,8 +39,16 @@ class TritonPythonModel:
         if args.get("model_instance_kind") == "GPU":
             overrides["device"] = f"cuda:{args['model_instance_device_id']}"
         model_dir = Path(args["model_repository"]) / args["model_version"]
+        self.model_name = args["model_name"]
         self.engine = LLMEngine(model_dir, **overrides)
+        self.engine.observers.append(TritonMetrics(self.model_name, args["model_version"],
+                                                   self.engine.max_model_len))
+        endpoint = otlp_endpoint(self.engine.config.otlp_endpoint)
+        self.tracer = RequestTracer(endpoint) if endpoint else None
+        if self.tracer is not None:
+            self.engine.observers.append(self.tracer)
         self.async_engine = AsyncEngine(self.engine)
+        self.async_engine.on_death = self._on_engine_death
         self.async_engine.start()
         logger.info("tritonlm serving %s: %d KV blocks of %d tokens, max_model_len %d",
                     model_dir, self.engine.runner.num_blocks, self.engine.config.block_size,
@@ -48,6 +60,7 @@ class TritonPythonModel:
             try:
                 self._enqueue(request, sender)
             except InvalidRequestError as exc:
+                self.engine.report_error("invalid")
                 sender.send(_error_response(str(exc), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
             except Exception as exc:
                 logger.exception("could not enqueue a request")
@@ -63,6 +76,7 @@ class TritonPythonModel:
         request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
         prepared = self.engine.make_request(request_id, parsed.prompt, parsed.params,
                                             parsed.messages, parsed.add_generation_prompt)
+        prepared.trace_parent = _trace_parent(request) if self.tracer is not None else None
         prompt_text = prepared.prompt_text
         if prompt_text is None and not parsed.exclude_input_in_output:
             prompt_text = self.engine.tokenizer.decode(prepared.prompt_token_ids)
@@ -82,5 +96,21 @@ class TritonPythonModel:
 
         self.async_engine.submit(prepared, on_output, sender.is_cancelled)
 
+    def _on_engine_death(self, exc: Exception) -> None:
+        if os.environ.get(EXPLICIT_CONTROL_VARIABLE):
+            logger.error("unloading model %s so that it reports not ready", self.model_name)
+            pb_utils.unload_model(self.model_name)
+        else:
+            logger.error("model %s cannot mark itself not ready: the server does not run with "
+                         "--model-control-mode=explicit; requests now get errors", self.model_name)
+
     def finalize(self):
         self.async_engine.shutdown()
+        if self.tracer is not None:
+            self.tracer.shutdown()
+
+
+def _trace_parent(request) -> str | None:
+    """The W3C traceparent of Triton's own trace of this request, when Triton traces it."""
+    context = request.trace().get_context()
+    return json.loads(context).get("traceparent") if context else None

@@ -6,6 +6,11 @@ requests by it), so the two cannot drift apart. No Triton import here.
 from dataclasses import dataclass
 
 
+# Set by tritonlm-serve when the server runs with --model-control-mode=explicit, the only mode in
+# which a model can unload itself (and so report not ready).
+EXPLICIT_CONTROL_VARIABLE = "TRITONLM_EXPLICIT_MODEL_CONTROL"
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str

@@ -1,0 +1,116 @@
+"""Prometheus metrics in the `tritonlm:` namespace through the Python backend's metric API, served
+on Triton's metrics endpoint. Names, meanings and buckets follow vLLM's `vllm:` metrics."""
+import triton_python_backend_utils as pb_utils
+
+from tritonlm.engine.stats import FinishedRequest, StepStats
+
+_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0]
+FINISH_REASONS = ("stop", "length", "abort")
+ERROR_KINDS = ("invalid", "cancelled", "internal")
+
+
+def _token_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to the context limit (vLLM's build_1_2_5_buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * scale
+            if value > max_model_len:
+                return buckets
+            buckets.append(float(value))
+        scale *= 10
+
+
+class TritonMetrics:
+    """An engine observer that updates Triton's Prometheus metrics."""
+
+    def __init__(self, model: str, version: str, max_model_len: int):
+        labels = {"model": model, "version": version}
+        self._families = []  # families must outlive their metrics
+
+        def metric(kind, name, description, buckets=None, **extra_labels):
+            family = pb_utils.MetricFamily(name=f"tritonlm:{name}", description=description,
+                                           kind=kind)
+            self._families.append(family)
+            if buckets is None:
+                return family.Metric(labels={**labels, **extra_labels})
+            return family.Metric(labels={**labels, **extra_labels}, buckets=buckets)
+
+        def histogram(name, description, buckets):
+            return metric(pb_utils.MetricFamily.HISTOGRAM, name, description, buckets)
+
+        def gauge(name, description):
+            return metric(pb_utils.MetricFamily.GAUGE, name, description)
+
+        def counters(name, description, label, values):
+            family = pb_utils.MetricFamily(name=f"tritonlm:{name}", description=description,
+                                           kind=pb_utils.MetricFamily.COUNTER)
+            self._families.append(family)
+            return {v: family.Metric(labels={**labels, label: v}) for v in values}
+
+        counter = pb_utils.MetricFamily.COUNTER
+        tokens = _token_buckets(max_model_len)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Time per output token after the "
+                              "first", _TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency",
+                             _LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Time waiting before the first step",
+                               _LATENCY_BUCKETS)
+        self.prompt_hist = histogram("request_prompt_tokens", "Prompt tokens per request", tokens)
+        self.generation_hist = histogram("request_generation_tokens",
+                                         "Generated tokens per request", tokens)
+        self.prompt_tokens = metric(counter, "prompt_tokens_total", "Prompt tokens processed")
+        self.generation_tokens = metric(counter, "generation_tokens_total", "Tokens generated")
+        self.preemptions = metric(counter, "num_preemptions_total", "Sequences preempted")
+        self.prefix_hits = metric(counter, "prefix_cache_hits_total",
+                                  "Prompt tokens found in the prefix cache")
+        self.prefix_queries = metric(counter, "prefix_cache_queries_total",
+                                     "Prompt tokens looked up in the prefix cache")
+        self.finished = counters("request_success_total", "Finished requests by finish reason",
+                                 "finished_reason", FINISH_REASONS)
+        self.errors = counters("request_errors_total", "Failed requests by kind", "kind",
+                               ERROR_KINDS)
+        self.running = gauge("num_requests_running", "Sequences in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled")
+        self.preempted = gauge("num_requests_swapped", "Preempted sequences waiting to be "
+                               "recomputed")
+        self.blocks_used = gauge("kv_cache_blocks_used", "KV cache blocks in use")
+        self.blocks_free = gauge("kv_cache_blocks_free", "KV cache blocks free")
+        self.blocks_total = gauge("kv_cache_blocks_total", "KV cache blocks allocated")
+        self.usage = gauge("kv_cache_usage_perc", "Fraction of the KV cache in use (0 to 1)")
+
+    def on_step(self, stats: StepStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.preempted.set(stats.num_preempted_waiting)
+        self.blocks_used.set(stats.kv_blocks_used)
+        self.blocks_free.set(stats.kv_blocks_total - stats.kv_blocks_used)
+        self.blocks_total.set(stats.kv_blocks_total)
+        self.usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
+        if stats.num_preemptions:
+            self.preemptions.increment(stats.num_preemptions)
+
+    def on_request_finished(self, request: FinishedRequest) -> None:
+        t = request.timeline
+        self.e2e.observe(t.finished - t.arrival)
+        if t.scheduled is not None:
+            self.queue.observe(t.scheduled - t.arrival)
+        if t.first_token is not None:
+            self.ttft.observe(t.first_token - t.arrival)
+            if request.num_output_tokens > 1:
+                self.tpot.observe((t.finished - t.first_token) / (request.num_output_tokens - 1))
+        self.prompt_hist.observe(request.num_prompt_tokens)
+        self.generation_hist.observe(request.num_output_tokens)
+        self.prompt_tokens.increment(request.num_prompt_tokens)
+        self.generation_tokens.increment(request.num_output_tokens)
+        if request.finish_reason in self.finished:
+            self.finished[request.finish_reason].increment(1)
+
+    def on_request_error(self, kind: str) -> None:
+        self.errors[kind].increment(1)
