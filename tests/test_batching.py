@@ -30,10 +30,16 @@ def test_sixteen_prompts_together_equal_one_at_a_time(smollm2_llm, prompts, one_
     assert [o.token_ids for o in together] == one_at_a_time
 
 
-def test_preemption_under_a_tiny_kv_cache_keeps_results(smollm2_repo, prompts, one_at_a_time):
+def test_preemption_under_a_tiny_kv_cache_keeps_results(smollm2_repo, prompts, one_at_a_time,
+                                                        caplog):
     llm = LLM(str(smollm2_repo), num_kv_blocks=24, block_size=16)
-    outputs = llm.generate(prompts, PARAMS)
+    with caplog.at_level("WARNING"):
+        outputs = llm.generate(prompts, PARAMS)
     assert llm.engine.scheduler.num_preemptions > 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("preempted" in w and "KV cache of 24 blocks" in w for w in warnings)
+    assert any("KV cache exhausted" in w for w in warnings)
+    assert len(warnings) == 2  # rate-limited, not one per step
     assert [o.token_ids for o in outputs] == one_at_a_time
     assert llm.engine.block_manager.num_free_blocks == 24
 

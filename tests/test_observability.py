@@ -75,14 +75,20 @@ def test_metrics_count_what_was_sent_and_return_to_idle(smollm2_server, smollm2_
 
 
 class _Collector(http.server.BaseHTTPRequestHandler):
+    """An OTLP/HTTP receiver: protobuf from the Python SDK (ours), JSON from Triton's C++ one.
+    Spans arrive as (name, trace id hex, span id hex, parent span id hex, attributes)."""
     protocol_version = "HTTP/1.1"
     received: "queue.Queue" = queue.Queue()
 
     def do_POST(self):
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
             ExportTraceServiceRequest, ExportTraceServiceResponse)
+        body = self.rfile.read(int(self.headers["Content-Length"]))
         request = ExportTraceServiceRequest()
-        request.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
+        if "json" in self.headers.get("Content-Type", ""):
+            request = _parse_otlp_json(json.loads(body))
+        else:
+            request.ParseFromString(body)
         for resource in request.resource_spans:
             for scope in resource.scope_spans:
                 for span in scope.spans:
@@ -98,14 +104,32 @@ class _Collector(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_served_requests_export_spans_over_otlp(smollm2_repo, tmp_path, monkeypatch):
+def _parse_otlp_json(document: dict):
+    """OTLP/JSON carries ids as hex; the protobuf JSON mapping expects base64 bytes."""
+    import base64
+    from google.protobuf.json_format import ParseDict
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    for resource in document.get("resourceSpans", []):
+        for scope in resource.get("scopeSpans", []):
+            for span in scope.get("spans", []):
+                for key in ("traceId", "spanId", "parentSpanId"):
+                    if span.get(key):
+                        span[key] = base64.b64encode(bytes.fromhex(span[key])).decode()
+    return ParseDict(document, ExportTraceServiceRequest(), ignore_unknown_fields=True)
+
+
+def test_served_requests_export_spans_continuing_tritons_trace(smollm2_repo, tmp_path,
+                                                               monkeypatch):
     collector = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
     threading.Thread(target=collector.serve_forever, daemon=True).start()
-    monkeypatch.setenv("TRITONLM_OTLP_ENDPOINT",
-                       f"http://127.0.0.1:{collector.server_address[1]}/v1/traces")
+    url = f"http://127.0.0.1:{collector.server_address[1]}/v1/traces"
+    monkeypatch.setenv("TRITONLM_OTLP_ENDPOINT", url)
     repo = linked_repository(smollm2_repo, tmp_path / "repo", num_kv_blocks=32)
+    triton_tracing = ("--exit-timeout-secs=5", "--trace-config", "mode=opentelemetry",
+                      "--trace-config", f"opentelemetry,url={url}", "--trace-config", "rate=1",
+                      "--trace-config", "level=TIMESTAMPS")
     try:
-        with start_server(repo) as server:
+        with start_server(repo, extra_args=triton_tracing) as server:
             client = grpcclient.InferenceServerClient(server.grpc_url)
             done = queue.Queue()
             client.start_stream(callback=lambda result, error: done.put(error))
@@ -114,8 +138,9 @@ def test_served_requests_export_spans_over_otlp(smollm2_repo, tmp_path, monkeypa
             assert done.get(timeout=60) is None
             client.stop_stream()
             spans = {}
+            ours = {"llm_request", "queue", "prefill", "decode", "detokenize"}
             deadline = time.monotonic() + 30
-            while len(spans) < 5 and time.monotonic() < deadline:
+            while not (ours <= set(spans) and "llm" in spans) and time.monotonic() < deadline:
                 try:
                     span = _Collector.received.get(timeout=1)
                     spans[span.name] = span
@@ -123,12 +148,15 @@ def test_served_requests_export_spans_over_otlp(smollm2_repo, tmp_path, monkeypa
                     pass
     finally:
         collector.shutdown()
-    assert set(spans) == {"llm_request", "queue", "prefill", "decode", "detokenize"}
+    assert ours <= set(spans)
+    # Triton's own span for the model ("llm") is the parent of our request span.
+    assert spans["llm_request"].trace_id == spans["llm"].trace_id
+    assert spans["llm_request"].parent_span_id == spans["llm"].span_id
     attributes = {a.key: a.value for a in spans["llm_request"].attributes}
     assert attributes["tritonlm.request_id"].string_value.startswith("traced-request-")
     assert attributes["tritonlm.output_tokens"].int_value == 3
-    assert all(s.parent_span_id == spans["llm_request"].span_id
-               for name, s in spans.items() if name != "llm_request")
+    assert all(spans[name].parent_span_id == spans["llm_request"].span_id
+               for name in ours - {"llm_request"})
 
 
 BROKEN_MODEL = '''
