@@ -80,10 +80,6 @@ class SamplingParams:
             _bad("stop_token_ids", self.stop_token_ids, "must be non-negative token ids")
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
     def uses_penalties(self) -> bool:
         return (self.repetition_penalty != 1 or self.presence_penalty != 0
                 or self.frequency_penalty != 0)

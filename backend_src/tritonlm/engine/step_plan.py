@@ -32,10 +32,6 @@ class StepPlan:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, target) blocks
 
     @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
-
-    @property
     def is_empty(self) -> bool:
         return not self.chunks
 

@@ -1,5 +1,8 @@
 """Prometheus metrics in the `tritonlm:` namespace through the Python backend's metric API, served
-on Triton's metrics endpoint. Names, meanings and buckets follow vLLM's `vllm:` metrics."""
+on Triton's metrics endpoint. Names, meanings and buckets follow vLLM's `vllm:` metrics.
+
+NOTE: a failing metric call can abort tritonserver, so names, labels and buckets here are fixed,
+buckets ascend, counters only grow and histograms are only observed."""
 import triton_python_backend_utils as pb_utils
 
 from tritonlm.engine.stats import FinishedRequest, StepStats
@@ -14,76 +17,67 @@ FINISH_REASONS = ("stop", "length", "abort")
 ERROR_KINDS = ("invalid", "cancelled", "internal")
 
 
-def _token_buckets(max_model_len: int) -> list[float]:
-    """1, 2, 5, 10, 20, 50, ... up to the context limit (vLLM's build_1_2_5_buckets)."""
-    buckets, scale = [], 1
-    while True:
-        for mantissa in (1, 2, 5):
-            value = mantissa * scale
-            if value > max_model_len:
-                return buckets
-            buckets.append(float(value))
-        scale *= 10
+def token_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to the context limit (vLLM's 1-2-5 buckets)."""
+    return [float(m * 10 ** e) for e in range(len(str(max_model_len)))
+            for m in (1, 2, 5) if m * 10 ** e <= max_model_len]
 
 
 class TritonMetrics:
     """An engine observer that updates Triton's Prometheus metrics."""
 
     def __init__(self, model: str, version: str, max_model_len: int):
-        labels = {"model": model, "version": version}
-        self._families = []  # families must outlive their metrics
+        self._labels = {"model": model, "version": version}
+        self._families = []  # a family must outlive its metrics
+        tokens = token_buckets(max_model_len)
+        self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token",
+                                    _TTFT_BUCKETS)
+        self.tpot = self._histogram("time_per_output_token_seconds",
+                                    "Time per output token after the first", _TPOT_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "End-to-end request latency",
+                                   _LATENCY_BUCKETS)
+        self.queue = self._histogram("request_queue_time_seconds",
+                                     "Time from arrival to the first step", _LATENCY_BUCKETS)
+        self.prompt_lengths = self._histogram("request_prompt_tokens", "Prompt tokens per request",
+                                              tokens)
+        self.output_lengths = self._histogram("request_generation_tokens",
+                                              "Generated tokens per request", tokens)
+        self.prompt_tokens = self._counter("prompt_tokens_total", "Prompt tokens processed")
+        self.generation_tokens = self._counter("generation_tokens_total", "Tokens generated")
+        self.preemptions = self._counter("num_preemptions_total", "Sequences preempted")
+        # Stay at zero until the engine caches prefixes.
+        self._counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache")
+        self._counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache")
+        self.finished = {reason: self._counter("request_success_total", "Finished requests",
+                                               {"finished_reason": reason})
+                         for reason in FINISH_REASONS}
+        self.errors = {kind: self._counter("request_errors_total", "Failed requests by kind",
+                                           {"kind": kind}) for kind in ERROR_KINDS}
+        self.running = self._gauge("num_requests_running", "Sequences in the running batch")
+        self.waiting = self._gauge("num_requests_waiting", "Sequences waiting to be scheduled")
+        self.preempted = self._gauge("num_requests_swapped",
+                                     "Preempted sequences waiting to be recomputed")
+        self.blocks_used = self._gauge("kv_cache_blocks_used", "KV cache blocks in use")
+        self.blocks_free = self._gauge("kv_cache_blocks_free", "KV cache blocks free")
+        self.blocks_total = self._gauge("kv_cache_blocks_total", "KV cache blocks allocated")
+        self.usage = self._gauge("kv_cache_usage_perc", "Fraction of the KV cache in use (0 to 1)")
 
-        def metric(kind, name, description, buckets=None, **extra_labels):
-            family = pb_utils.MetricFamily(name=f"tritonlm:{name}", description=description,
-                                           kind=kind)
-            self._families.append(family)
-            if buckets is None:
-                return family.Metric(labels={**labels, **extra_labels})
-            return family.Metric(labels={**labels, **extra_labels}, buckets=buckets)
+    def _metric(self, kind, name: str, description: str, buckets=None, labels=None):
+        family = pb_utils.MetricFamily(name=f"tritonlm:{name}", description=description, kind=kind)
+        self._families.append(family)
+        labels = {**self._labels, **(labels or {})}
+        return family.Metric(labels=labels) if buckets is None else family.Metric(
+            labels=labels, buckets=buckets)
 
-        def histogram(name, description, buckets):
-            return metric(pb_utils.MetricFamily.HISTOGRAM, name, description, buckets)
+    def _histogram(self, name, description, buckets):
+        # pb_utils.MetricFamily exists only once the stub runs the model, not at import time
+        return self._metric(pb_utils.MetricFamily.HISTOGRAM, name, description, buckets)
 
-        def gauge(name, description):
-            return metric(pb_utils.MetricFamily.GAUGE, name, description)
+    def _counter(self, name, description, labels=None):
+        return self._metric(pb_utils.MetricFamily.COUNTER, name, description, labels=labels)
 
-        def counters(name, description, label, values):
-            family = pb_utils.MetricFamily(name=f"tritonlm:{name}", description=description,
-                                           kind=pb_utils.MetricFamily.COUNTER)
-            self._families.append(family)
-            return {v: family.Metric(labels={**labels, label: v}) for v in values}
-
-        counter = pb_utils.MetricFamily.COUNTER
-        tokens = _token_buckets(max_model_len)
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
-        self.tpot = histogram("time_per_output_token_seconds", "Time per output token after the "
-                              "first", _TPOT_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency",
-                             _LATENCY_BUCKETS)
-        self.queue = histogram("request_queue_time_seconds", "Time waiting before the first step",
-                               _LATENCY_BUCKETS)
-        self.prompt_hist = histogram("request_prompt_tokens", "Prompt tokens per request", tokens)
-        self.generation_hist = histogram("request_generation_tokens",
-                                         "Generated tokens per request", tokens)
-        self.prompt_tokens = metric(counter, "prompt_tokens_total", "Prompt tokens processed")
-        self.generation_tokens = metric(counter, "generation_tokens_total", "Tokens generated")
-        self.preemptions = metric(counter, "num_preemptions_total", "Sequences preempted")
-        self.prefix_hits = metric(counter, "prefix_cache_hits_total",
-                                  "Prompt tokens found in the prefix cache")
-        self.prefix_queries = metric(counter, "prefix_cache_queries_total",
-                                     "Prompt tokens looked up in the prefix cache")
-        self.finished = counters("request_success_total", "Finished requests by finish reason",
-                                 "finished_reason", FINISH_REASONS)
-        self.errors = counters("request_errors_total", "Failed requests by kind", "kind",
-                               ERROR_KINDS)
-        self.running = gauge("num_requests_running", "Sequences in the running batch")
-        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled")
-        self.preempted = gauge("num_requests_swapped", "Preempted sequences waiting to be "
-                               "recomputed")
-        self.blocks_used = gauge("kv_cache_blocks_used", "KV cache blocks in use")
-        self.blocks_free = gauge("kv_cache_blocks_free", "KV cache blocks free")
-        self.blocks_total = gauge("kv_cache_blocks_total", "KV cache blocks allocated")
-        self.usage = gauge("kv_cache_usage_perc", "Fraction of the KV cache in use (0 to 1)")
+    def _gauge(self, name, description):
+        return self._metric(pb_utils.MetricFamily.GAUGE, name, description)
 
     def on_step(self, stats: StepStats) -> None:
         self.running.set(stats.num_running)
@@ -105,8 +99,8 @@ class TritonMetrics:
             self.ttft.observe(t.first_token - t.arrival)
             if request.num_output_tokens > 1:
                 self.tpot.observe((t.finished - t.first_token) / (request.num_output_tokens - 1))
-        self.prompt_hist.observe(request.num_prompt_tokens)
-        self.generation_hist.observe(request.num_output_tokens)
+        self.prompt_lengths.observe(request.num_prompt_tokens)
+        self.output_lengths.observe(request.num_output_tokens)
         self.prompt_tokens.increment(request.num_prompt_tokens)
         self.generation_tokens.increment(request.num_output_tokens)
         if request.finish_reason in self.finished:
