@@ -34,6 +34,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt_text: str | None = None
+    bad_words_ids: list[list[int]] = field(default_factory=list)
     arrival: float = field(default_factory=time.time)
     trace_parent: str | None = None  # W3C traceparent to continue
 
@@ -121,7 +122,7 @@ class LLMEngine:
                 "it must be shorter to leave room for a new token")
         if self.block_manager.blocks_for(len(token_ids) + 1) > self.block_manager.num_blocks:
             raise InvalidRequestError(f"prompt of {len(token_ids)} tokens does not fit the KV cache")
-        return Request(request_id, token_ids, params, text)
+        return Request(request_id, token_ids, params, text, self._bad_words_ids(params.bad_words))
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         # A word may start a text or follow a space, which byte-level vocabularies tell apart.
@@ -150,7 +151,7 @@ class LLMEngine:
             max_total = min(max_total, len(request.prompt_token_ids) + p.max_tokens)
         seed = p.seed if p.seed is not None else random.getrandbits(63)
         seq = Sequence(next(self._seq_ids), request.request_id, request.prompt_token_ids, p, seed,
-                       max_total, self._bad_words_ids(p.bad_words))
+                       max_total, request.bad_words_ids)
 
         def make_detokenizer():
             return IncrementalDetokenizer(self._decoder, request.prompt_token_ids,
