@@ -18,8 +18,8 @@ def make_seq(seq_id, prompt_len, max_tokens=100, **params):
                     max_total_tokens=prompt_len + max_tokens)
 
 
-def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=64):
-    bm = BlockManager(num_blocks, block_size)
+def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, prefix_caching=False):
+    bm = BlockManager(num_blocks, block_size, prefix_caching)
     return Scheduler(bm, max_num_seqs, budget, frozenset({EOS})), bm
 
 
@@ -156,3 +156,62 @@ def test_engine_core_imports_no_torch():
     code = ("import sys; import tritonlm.engine.scheduler, tritonlm.engine.block_manager, "
             "tritonlm.engine.sequence; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def check_block_invariants(sched, bm):
+    """Every block's reference count equals the tables holding it; referenced blocks are never
+    free, and only free or referenced blocks exist."""
+    holders = {}
+    for seq in [*sched.running, *sched.waiting]:
+        for block in seq.block_table:
+            holders[block] = holders.get(block, 0) + 1
+    for block in range(bm.num_blocks):
+        assert bm.ref_counts[block] == holders.get(block, 0)
+        assert (block in bm.free_blocks) == (bm.ref_counts[block] == 0)
+
+
+def test_prefix_cache_reuses_full_blocks_of_a_finished_request():
+    sched, bm = make_scheduler(prefix_caching=True)
+    first = make_seq(0, 10, max_tokens=1)
+    sched.add(first)
+    run_step(sched)
+    assert first.is_finished and bm.num_free_blocks == bm.num_blocks
+    second = make_seq(1, 13, max_tokens=2)  # same first 10 tokens
+    sched.add(second)
+    plan = run_step(sched)
+    chunk, = plan.chunks
+    assert chunk.start_pos == 8 and len(chunk.token_ids) == 5  # two full blocks reused
+    assert chunk.block_table[:2] == first_blocks(first, bm)
+    assert bm.prefix_cache_hits == 8 and bm.prefix_cache_queries == 10 + 13
+
+
+def first_blocks(seq, bm):
+    return [bm.cached_blocks[h] for h in _hashes(seq.token_ids[:8], bm.block_size)]
+
+
+def _hashes(tokens, block_size):
+    hashes, previous = [], None
+    for start in range(0, len(tokens), block_size):
+        previous = hash((previous, tuple(tokens[start:start + block_size])))
+        hashes.append(previous)
+    return hashes
+
+
+def test_eviction_never_touches_referenced_blocks():
+    sched, bm = make_scheduler(num_blocks=12, block_size=4, prefix_caching=True, budget=16)
+    import random
+    rng = random.Random(0)
+    seq_id = 0
+    for step in range(300):
+        if rng.random() < 0.4:
+            length = rng.randint(2, 20)
+            prefix = [1, 2, 3, 4, 5, 6, 7, 8][:rng.choice([0, 4, 8])]
+            seq = make_seq(seq_id, 1, max_tokens=rng.randint(1, 12))
+            seq.token_ids = prefix + [rng.randint(10, 99) for _ in range(length)]
+            seq.num_prompt_tokens = len(seq.token_ids)
+            seq.max_total_tokens = seq.num_tokens + seq.params.max_tokens
+            sched.add(seq)
+            seq_id += 1
+        run_step(sched, token=rng.randint(10, 99))
+        check_block_invariants(sched, bm)
+    assert bm.prefix_cache_hits > 0 and sched.num_preemptions > 0

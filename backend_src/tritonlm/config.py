@@ -20,6 +20,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = True
     device: str = "auto"
     # OTLP/HTTP traces endpoint (TRITONLM_OTLP_ENDPOINT overrides it); None: no tracing
     otlp_endpoint: str | None = None

@@ -1,15 +1,23 @@
-"""KV cache block accounting: ids, reference counts and a free list over one preallocated pool."""
-from collections import deque
+"""KV cache block accounting: ids, reference counts and a free list over one preallocated pool,
+with prefix caching: full blocks are hashed along the prefix chain, and freed blocks keep their
+content until reused, least recently freed first."""
+from collections import OrderedDict
 
 from tritonlm.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        # Insertion order is eviction order: freed blocks go to the end.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_hashes: dict[int, int] = {}  # block -> hash of its prefix chain
+        self.cached_blocks: dict[int, int] = {}  # hash -> block holding that content
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # of which found in the cache
 
     @property
     def num_free_blocks(self) -> int:
@@ -48,21 +56,64 @@ class BlockManager:
         return copy
 
     def _take(self) -> int:
-        block = self.free_blocks.popleft()
+        block, _ = self.free_blocks.popitem(last=False)
+        content = self.block_hashes.pop(block, None)
+        if content is not None and self.cached_blocks.get(content) == block:
+            del self.cached_blocks[content]  # evicted
         self.ref_counts[block] = 1
         return block
+
+    def reuse_cached_prefix(self, seq: Sequence) -> int:
+        """For a sequence with nothing computed, take the cached blocks of its longest cached
+        prefix of full blocks (at least one token is left to compute); returns tokens reused."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return 0
+        self.prefix_cache_queries += seq.num_tokens
+        for index in range((seq.num_tokens - 1) // self.block_size):
+            content = self._chain_hash(seq, index)
+            block = self.cached_blocks.get(content)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+            seq.block_hashes.append(content)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        self.prefix_cache_hits += seq.num_computed_tokens
+        return seq.num_computed_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Make `seq`'s newly computed full blocks findable by later requests."""
+        if not self.enable_prefix_caching:
+            return
+        # NOTE: only full blocks are hashed; a partial block is still being written.
+        for index in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
+            content = self._chain_hash(seq, index)
+            block = seq.block_table[index]
+            seq.block_hashes.append(content)
+            self.block_hashes[block] = content
+            self.cached_blocks.setdefault(content, block)
+
+    def _chain_hash(self, seq: Sequence, index: int) -> int:
+        previous = seq.block_hashes[index - 1] if index else None
+        start = index * self.block_size
+        return hash((previous, tuple(seq.token_ids[start:start + self.block_size])))
 
     def share(self, source: Sequence, target: Sequence, num_tokens: int) -> None:
         """Let `target` reuse `source`'s KV for its first `num_tokens` tokens."""
         target.block_table = source.block_table[:self.blocks_for(num_tokens)]
+        target.block_hashes = source.block_hashes[:num_tokens // self.block_size]
         for block in target.block_table:
             self.ref_counts[block] += 1
         target.num_computed_tokens = min(num_tokens, len(target.block_table) * self.block_size)
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references; blocks nobody references return to the free list."""
+        # The deepest blocks of a prefix are freed first, so they are evicted first.
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                self.free_blocks[block] = None
         seq.block_table = []
+        seq.block_hashes = []

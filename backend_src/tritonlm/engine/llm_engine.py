@@ -70,7 +70,8 @@ class LLMEngine:
         self.max_model_len = min([self.config.max_model_len, *(n for n in limits if n)])
         self.config.max_model_len = self.max_model_len
         self.runner = ModelRunner(self.config, self.hf_config, weights_dir)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens,
                                    self._eos_token_ids(weights_dir))
@@ -81,6 +82,7 @@ class LLMEngine:
         self.observers: list[EngineObserver] = []
         self._warn_preemption = RateLimitedWarning()
         self._warn_cache_full = RateLimitedWarning()
+        self._reported_prefix_cache = (0, 0)  # (queries, hits) already sent to observers
 
     def _eos_token_ids(self, weights_dir: Path) -> frozenset[int]:
         ids = set()
@@ -224,10 +226,14 @@ class LLMEngine:
                                   len(scheduler.waiting))
         if not self.observers:
             return
+        queries, hits = blocks.prefix_cache_queries, blocks.prefix_cache_hits
+        reported_queries, reported_hits = self._reported_prefix_cache
+        self._reported_prefix_cache = (queries, hits)
         stats = StepStats(len(scheduler.running), len(scheduler.waiting),
                           sum(s.num_output_tokens > 0 for s in scheduler.waiting),
                           blocks.num_blocks - blocks.num_free_blocks, blocks.num_blocks,
-                          len(plan.preempted_seq_ids))
+                          len(plan.preempted_seq_ids), queries - reported_queries,
+                          hits - reported_hits)
         for observer in self.observers:
             observer.on_step(stats)
 

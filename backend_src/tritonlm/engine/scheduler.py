@@ -49,14 +49,16 @@ class Scheduler:
         if not plan.preempted_seq_ids:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
+                self.block_manager.reuse_cached_prefix(seq)
                 num_new = min(seq.num_uncomputed_tokens, budget)
                 if not self.block_manager.can_grow(seq, num_new):
+                    self._release(seq)
                     self.blocked_by_cache = True
                     break
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                budget -= self._schedule_chunk(seq, num_new, plan)
+                budget -= self._schedule_chunk(seq, num_new, plan, admitted=True)
         return plan
 
     def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
@@ -69,15 +71,20 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
-        # Recompute later: the prompt and the tokens generated so far are prefilled again.
+    def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute later: the prompt and the tokens generated so far are prefilled again
+        # (what the prefix cache still holds is reused).
+        self._release(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _schedule_chunk(self, seq: Sequence, num_new: int, plan: StepPlan) -> int:
+    def _schedule_chunk(self, seq: Sequence, num_new: int, plan: StepPlan,
+                        admitted: bool = False) -> int:
         copy = self.block_manager.grow(seq, num_new)
         if copy is not None:
             plan.block_copies.append(copy)
@@ -86,9 +93,12 @@ class Scheduler:
         sampling = None
         if reaches_end:
             sampling = SamplingRow(seq.params, seq.seed, seq.num_output_tokens, self._banned(seq))
+        tracked = seq.params.uses_penalties
+        # A sequence admitted on reused KV: the runner has not seen the tokens before `start`.
+        history = seq.token_ids[:start] if tracked and admitted else []
         plan.chunks.append(ScheduledChunk(seq.seq_id, seq.token_ids[start:start + num_new], start,
                                           list(seq.block_table), sampling, seq.num_prompt_tokens,
-                                          seq.params.uses_penalties))
+                                          tracked, history))
         return num_new
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
@@ -112,6 +122,7 @@ class Scheduler:
             if seq is None:  # aborted while the step ran
                 continue
             seq.num_computed_tokens += len(chunk.token_ids)
+            self.block_manager.cache_full_blocks(seq)
             if chunk.sampling is None:
                 continue
             result = sampled[chunk.seq_id]

@@ -34,6 +34,7 @@ class Sequence:
         self.bad_words_ids = list(bad_words_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # prefix-chain hashes of its full, computed blocks
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.cumulative_logprob = 0.0

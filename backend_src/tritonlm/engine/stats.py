@@ -35,6 +35,8 @@ class StepStats:
     kv_blocks_used: int
     kv_blocks_total: int
     num_preemptions: int  # in this step
+    prefix_cache_queries: int  # prompt tokens looked up in this step
+    prefix_cache_hits: int  # of which found
 
 
 class EngineObserver(Protocol):

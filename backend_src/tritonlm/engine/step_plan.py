@@ -22,6 +22,7 @@ class ScheduledChunk:
     sampling: SamplingRow | None  # None: a prefill chunk that does not reach the sequence's end
     num_prompt_tokens: int
     track_tokens: bool  # the sequence uses penalties: the runner keeps its token history
+    history: list[int] = field(default_factory=list)  # tokens before start_pos, to (re)count
 
 
 @dataclass

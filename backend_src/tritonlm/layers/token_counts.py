@@ -41,15 +41,17 @@ class TokenCounts:
         if not tracked:
             return
         rows = np.array([self._row(c.seq_id) for c in tracked], dtype=np.int64)
-        restarted = [r for r, c in zip(rows, tracked) if c.start_pos == 0]
+        # A chunk may bring the tokens before it (history) when earlier KV was reused.
+        firsts = [c.start_pos - len(c.history) for c in tracked]
+        restarted = [r for r, first in zip(rows, firsts) if first == 0]
         if restarted:  # first chunk, or a recompute after preemption
             self.prompt_seen[restarted] = False
             self.output_counts[restarted] = 0
-        lens = np.array([len(c.token_ids) for c in tracked])
-        starts = np.repeat([c.start_pos for c in tracked], lens)
+        lens = np.array([len(c.history) + len(c.token_ids) for c in tracked])
+        starts = np.repeat(firsts, lens)
         positions = starts + np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
         token_rows = np.repeat(rows, lens)
-        tokens = np.concatenate([c.token_ids for c in tracked])
+        tokens = np.concatenate([c.history + c.token_ids for c in tracked])
         in_prompt = positions < np.repeat([c.num_prompt_tokens for c in tracked], lens)
         self.prompt_seen[self._tensor(token_rows[in_prompt]), self._tensor(tokens[in_prompt])] = True
         out_rows, out_tokens = self._tensor(token_rows[~in_prompt]), self._tensor(tokens[~in_prompt])

@@ -45,9 +45,10 @@ class TritonMetrics:
         self.prompt_tokens = self._counter("prompt_tokens_total", "Prompt tokens processed")
         self.generation_tokens = self._counter("generation_tokens_total", "Tokens generated")
         self.preemptions = self._counter("num_preemptions_total", "Sequences preempted")
-        # Stay at zero until the engine caches prefixes.
-        self._counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache")
-        self._counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = self._counter("prefix_cache_hits_total",
+                                         "Prompt tokens found in the prefix cache")
+        self.prefix_queries = self._counter("prefix_cache_queries_total",
+                                            "Prompt tokens looked up in the prefix cache")
         self.finished = {reason: self._counter("request_success_total", "Finished requests",
                                                {"finished_reason": reason})
                          for reason in FINISH_REASONS}
@@ -89,6 +90,9 @@ class TritonMetrics:
         self.usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
         if stats.num_preemptions:
             self.preemptions.increment(stats.num_preemptions)
+        if stats.prefix_cache_queries:
+            self.prefix_queries.increment(stats.prefix_cache_queries)
+            self.prefix_hits.increment(stats.prefix_cache_hits)
 
     def on_request_finished(self, request: FinishedRequest) -> None:
         t = request.timeline
