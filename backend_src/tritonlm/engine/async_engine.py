@@ -1,6 +1,8 @@
 """Runs the engine's step loop on its own thread; requests come in from any thread and results
-go out through per-request callbacks."""
+go out through per-request callbacks, called on a sender thread so that the step loop never
+waits on the transport."""
 import logging
+import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,8 +37,12 @@ class AsyncEngine:
         # Called on the engine thread once if the loop dies (not on shutdown).
         self.on_death: Callable[[Exception], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="tritonlm-engine", daemon=True)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # (handle, output); None ends it
+        self._sender = threading.Thread(target=self._send_loop, name="tritonlm-sender",
+                                        daemon=True)
 
     def start(self) -> None:
+        self._sender.start()
         self._thread.start()
 
     @property
@@ -45,7 +51,8 @@ class AsyncEngine:
 
     def submit(self, request: Request, on_output: OutputCallback,
                is_cancelled: Callable[[], bool] | None = None) -> None:
-        """Queue a prepared request; `on_output` runs on the engine thread for every delta."""
+        """Queue a prepared request; `on_output` runs on the sender thread for every delta, in
+        order; if it raises, the request is aborted."""
         with self._lock:
             if self._stopping:
                 raise RuntimeError(f"the engine has stopped: {self.death}" if self.death
@@ -65,8 +72,16 @@ class AsyncEngine:
             self._lock.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self._sender.is_alive():
+            self._sender.join(timeout)
 
     def _loop(self) -> None:
+        try:
+            self._loop_until_stopped()
+        finally:
+            self._outbox.put(None)  # the sender delivers what is queued, then ends
+
+    def _loop_until_stopped(self) -> None:
         try:
             self._run()
         except Exception as exc:
@@ -137,16 +152,20 @@ class AsyncEngine:
             return
         if output.finished:
             del self._active[output.request_id]
-        if not self._send(handle, output) and not output.finished:
-            self._abort(output.request_id)
+        self._send(handle, output)
 
-    def _send(self, handle: _Handle, output: RequestOutput) -> bool:
-        try:
-            handle.on_output(output)
-            return True
-        except Exception:
-            logger.exception("delivering output for request %s failed", output.request_id)
-            return False
+    def _send(self, handle: _Handle, output: RequestOutput) -> None:
+        self._outbox.put((handle, output))
+
+    def _send_loop(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            handle, output = item
+            try:
+                handle.on_output(output)
+            except Exception:
+                logger.exception("delivering output for request %s failed", output.request_id)
+                if not output.finished:
+                    self.abort(output.request_id)
 
     def _fail_all(self, error: str | None) -> None:
         """End every active request: with `error`, or as aborted when error is None."""
