@@ -33,9 +33,9 @@ def test_cached_prefixes_give_the_same_tokens(smollm2_repo, smollm2_tokenizer, u
     blocks = cached.engine.block_manager
     first = cached.generate(prompts[:1], params)  # fills the cache with the shared prefix
     rest = cached.generate(prompts[1:], params)
-    assert blocks.prefix_cache_hits >= 3 * (len(prompts[0]) // 2 // blocks.block_size) * \
+    assert cached.engine.scheduler.prefix_cache_hits >= 3 * (len(prompts[0]) // 2 // blocks.block_size) * \
         blocks.block_size  # at least the shared system prompt's full blocks, three times
     reference = uncached.generate(prompts, params)
     assert [o.token_ids for o in first + rest] == [o.token_ids for o in reference]
-    assert uncached.engine.block_manager.prefix_cache_hits == 0
+    assert uncached.engine.scheduler.prefix_cache_hits == 0
     assert blocks.num_free_blocks == blocks.num_blocks

@@ -182,7 +182,7 @@ def test_prefix_cache_reuses_full_blocks_of_a_finished_request():
     chunk, = plan.chunks
     assert chunk.start_pos == 8 and len(chunk.token_ids) == 5  # two full blocks reused
     assert chunk.block_table[:2] == first_blocks(first, bm)
-    assert bm.prefix_cache_hits == 8 and bm.prefix_cache_queries == 10 + 13
+    assert sched.prefix_cache_hits == 8 and sched.prefix_cache_queries == 10 + 13
 
 
 def first_blocks(seq, bm):
@@ -214,4 +214,4 @@ def test_eviction_never_touches_referenced_blocks():
             seq_id += 1
         run_step(sched, token=rng.randint(10, 99))
         check_block_invariants(sched, bm)
-    assert bm.prefix_cache_hits > 0 and sched.num_preemptions > 0
+    assert sched.prefix_cache_hits > 0 and sched.num_preemptions > 0

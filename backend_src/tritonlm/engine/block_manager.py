@@ -16,8 +16,6 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.block_hashes: dict[int, int] = {}  # block -> hash of its prefix chain
         self.cached_blocks: dict[int, int] = {}  # hash -> block holding that content
-        self.prefix_cache_queries = 0  # prompt tokens looked up
-        self.prefix_cache_hits = 0  # of which found in the cache
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,12 +61,12 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
-    def reuse_cached_prefix(self, seq: Sequence) -> int:
-        """For a sequence with nothing computed, take the cached blocks of its longest cached
-        prefix of full blocks (at least one token is left to compute); returns tokens reused."""
+    def reuse_cached_prefix(self, seq: Sequence) -> int | None:
+        """For a sequence holding no blocks, take the cached blocks of its longest cached prefix
+        of full blocks (at least one token is left to compute); returns the tokens reused, or
+        None when nothing was looked up."""
         if not self.enable_prefix_caching or seq.block_table:
-            return 0
-        self.prefix_cache_queries += seq.num_tokens
+            return None
         for index in range((seq.num_tokens - 1) // self.block_size):
             content = self._chain_hash(seq, index)
             block = self.cached_blocks.get(content)
@@ -80,7 +78,6 @@ class BlockManager:
             seq.block_table.append(block)
             seq.block_hashes.append(content)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
-        self.prefix_cache_hits += seq.num_computed_tokens
         return seq.num_computed_tokens
 
     def cache_full_blocks(self, seq: Sequence) -> None:

@@ -226,7 +226,7 @@ class LLMEngine:
                                   len(scheduler.waiting))
         if not self.observers:
             return
-        queries, hits = blocks.prefix_cache_queries, blocks.prefix_cache_hits
+        queries, hits = scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
         reported_queries, reported_hits = self._reported_prefix_cache
         self._reported_prefix_cache = (queries, hits)
         stats = StepStats(len(scheduler.running), len(scheduler.waiting),

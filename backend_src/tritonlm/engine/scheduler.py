@@ -16,6 +16,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order; the last is preempted first
         self.num_preemptions = 0
+        # Prompt tokens looked up in the prefix cache at admission, and those found there.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self._finished_ids: list[int] = []
         self.blocked_by_cache = False  # the last schedule() left requests waiting for blocks
 
@@ -37,24 +40,27 @@ class Scheduler:
         plan = StepPlan(finished_seq_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.max_num_batched_tokens
-        scheduled: list[Sequence] = []
-        while self.running and len(scheduled) < len(self.running) and budget > 0:
-            seq = self.running[len(scheduled)]
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self._make_room(seq, num_new, plan):
                 break  # seq itself was preempted: nothing admitted after it either
-            scheduled.append(seq)
+            index += 1
             budget -= self._schedule_chunk(seq, num_new, plan)
         self.blocked_by_cache = bool(plan.preempted_seq_ids)
         if not plan.preempted_seq_ids:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
-                self.block_manager.reuse_cached_prefix(seq)
+                reused = self.block_manager.reuse_cached_prefix(seq)
                 num_new = min(seq.num_uncomputed_tokens, budget)
                 if not self.block_manager.can_grow(seq, num_new):
-                    self._release(seq)
+                    self._release(seq)  # looked up again when it is admitted
                     self.blocked_by_cache = True
                     break
+                if reused is not None:
+                    self.prefix_cache_queries += seq.num_tokens
+                    self.prefix_cache_hits += reused
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
