@@ -310,17 +310,17 @@ def _bad_sources(tmp: Path, tiny_dir: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "empty").mkdir()
     (tmp / "corrupt.gguf").write_bytes(b"GGUF" + bytes(range(256)) * 4)
     (tmp / "notes.txt").write_text("hello")
-    falcon = tmp / "falcon"
-    shutil.copytree(tiny_dir, falcon)
-    config = json.loads((falcon / "config.json").read_text())
-    (falcon / "config.json").write_text(json.dumps({**config, "architectures": ["FalconForCausalLM"]}))
+    gptj = tmp / "gptj"
+    shutil.copytree(tiny_dir, gptj)
+    config = json.loads((gptj / "config.json").read_text())
+    (gptj / "config.json").write_text(json.dumps({**config, "architectures": ["GPTJForCausalLM"]}))
     return {
         "missing": ([str(tmp / "nope")], "does not exist"),
         "no config.json": ([str(tmp / "empty")], "has no config.json"),
         "corrupt gguf": ([str(tmp / "corrupt.gguf")], "not a readable GGUF file"),
         "not a model": ([str(tmp / "notes.txt")], "neither a Hugging Face model directory nor a .gguf file"),
-        "architecture": ([str(falcon)], r"unsupported architecture \['FalconForCausalLM'\]; "
-                                        "supported: LlamaForCausalLM, MistralForCausalLM"),
+        "architecture": ([str(gptj)], r"unsupported architecture \['GPTJForCausalLM'\]; "
+                                      "supported: BloomForCausalLM, FalconForCausalLM, "),
         "context too long": ([str(tiny_dir), "--max-model-len", "257"], "between 1 and the model's 256"),
     }
 

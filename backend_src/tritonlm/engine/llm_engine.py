@@ -22,6 +22,7 @@ from tritonlm.engine.stats import (EngineObserver, FinishedRequest, RateLimitedW
 from tritonlm.engine.step_plan import SampledToken
 from tritonlm.errors import InvalidRequestError
 from tritonlm.models.loader import load_config
+from tritonlm.models.registry import context_limit
 from tritonlm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -63,11 +64,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(weights_dir)
         # Requests are tokenized on Triton's threads; the engine thread decodes with its own copy.
         self._decoder = Tokenizer.from_str(self.tokenizer.backend_tokenizer.to_str())
-        # NOTE: attention is never windowed, so a sliding-window model (Mistral) is served up to
-        # its window, where full attention is exact.
-        limits = (getattr(self.hf_config, "max_position_embeddings", None),
-                  getattr(self.hf_config, "sliding_window", None))
-        self.max_model_len = min([self.config.max_model_len, *(n for n in limits if n)])
+        self.max_model_len = min(self.config.max_model_len, context_limit(self.hf_config))
         self.config.max_model_len = self.max_model_len
         self.runner = ModelRunner(self.config, self.hf_config, weights_dir)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,

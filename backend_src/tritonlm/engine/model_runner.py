@@ -8,7 +8,7 @@ import torch
 from tritonlm.config import EngineConfig
 from tritonlm.engine.step_plan import SampledToken, StepPlan
 from tritonlm.layers.attention import PagedAttention, cache_block_shape, flash_attention_usable
-from tritonlm.layers.attention_metadata import StepLayout, build_metadata
+from tritonlm.layers.attention_metadata import AttentionSpec, StepLayout, build_metadata
 from tritonlm.layers.sampler import SamplingTensors, sample
 from tritonlm.layers.token_counts import TokenCounts
 from tritonlm.models.loader import load_model
@@ -31,8 +31,10 @@ class ModelRunner:
         self.model = load_model(weights_dir, hf_config, self.dtype, self.device,
                                 config.max_model_len)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
-        self.num_kv_heads = self.attention_layers[0].num_kv_heads
-        self.use_flash = flash_attention_usable(self.device, self.dtype, self.block_size)
+        self.attention_spec = _attention_spec(self.attention_layers)
+        self.use_flash = (flash_attention_usable(self.device, self.dtype, self.block_size)
+                          and all(layer.position_bias is None or hasattr(layer.position_bias, "slopes")
+                                  for layer in self.attention_layers))  # flash knows only ALiBi
         self.num_blocks = self._allocate_kv_cache()
         self.token_counts = TokenCounts(hf_config.vocab_size, self.device)
 
@@ -95,7 +97,7 @@ class ModelRunner:
         tables[np.arange(tables.shape[1])[None, :] < table_lens[:, None]] = np.fromiter(
             itertools.chain.from_iterable(c.block_table for c in chunks), dtype=np.int64)
         layout = StepLayout(lens, starts, first, positions, tables, self.block_size)
-        meta = build_metadata(layout, self.num_kv_heads, self.use_flash, self._tensor)
+        meta = build_metadata(layout, self.attention_spec, self.use_flash, self._tensor)
         sample_index = np.array([e - 1 for c, e in zip(chunks, ends) if c.sampling is not None],
                                 dtype=np.int64)
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(sample_index)
@@ -124,6 +126,14 @@ class ModelRunner:
             tensors.seen, tensors.output_counts = self.token_counts.history(
                 [c.seq_id for c in chunks])
         return tensors
+
+
+def _attention_spec(layers: list[PagedAttention]) -> AttentionSpec:
+    specs = {AttentionSpec(layer.num_kv_heads, layer.sliding_window, layer.position_bias is not None)
+             for layer in layers}
+    if len(specs) > 1:  # one metadata serves every layer
+        raise ValueError(f"attention layers differ in kv heads, window or position bias: {specs}")
+    return specs.pop()
 
 
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty",

@@ -1,13 +1,19 @@
 """Activations by Hugging Face `hidden_act` name."""
 import torch.nn.functional as F
 
+
+def _gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
 _ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,
     "relu": F.relu,
     "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
 }
 
 

@@ -33,12 +33,18 @@ def cache_block_shape(block_size: int, num_kv_heads: int, head_dim: int, use_fla
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    """Causal self-attention over the cache. `position_bias`, when given, maps key-minus-query
+    distances [..., L] to additive score biases [..., H, L] (ALiBi, T5's relative buckets)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, position_bias: nn.Module | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.position_bias = position_bias
         self.use_flash = False
         # Assigned by the model runner once the cache is allocated.
         self.k_cache = torch.empty(0)
@@ -59,8 +65,12 @@ class PagedAttention(nn.Module):
         if meta.prefill_token_index is not None:
             q_rows = q[meta.prefill_token_index]  # [Bp, Qp, Hq, D]
             keys, values = self._gather(meta.prefill_blocks, q.dtype)
+            mask = meta.prefill_mask
+            if self.position_bias is not None:  # [Bp, Qp, H, L] -> [Bp, H, Qp, L]
+                bias = self.position_bias(meta.prefill_distance).transpose(1, 2)
+                mask = bias.masked_fill(~mask, float("-inf")).to(q.dtype)
             o = F.scaled_dot_product_attention(q_rows.transpose(1, 2), keys, values,
-                                               attn_mask=meta.prefill_mask, scale=self.scale,
+                                               attn_mask=mask, scale=self.scale,
                                                enable_gqa=True).transpose(1, 2)
             valid = meta.prefill_token_valid
             out[meta.prefill_token_index[valid]] = o[valid]
@@ -81,6 +91,9 @@ class PagedAttention(nn.Module):
         q = q.view(rows, self.num_kv_heads, group, self.head_dim)
         # keys @ q^T keeps the large operand untransposed (a transposed one is copied on CPU).
         scores = torch.matmul(keys, q.transpose(-1, -2)).float() * self.scale  # [B, Hkv, L, G]
+        if self.position_bias is not None:  # [B, H, L] -> [B, Hkv, L, G]
+            bias = self.position_bias(meta.decode_distance)
+            scores += bias.view(rows, self.num_kv_heads, group, -1).transpose(-1, -2)
         scores.masked_fill_(~meta.decode_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-2).to(q.dtype)
         out = torch.matmul(probs.transpose(-1, -2), values)  # [B, Hkv, G, D]
@@ -94,4 +107,5 @@ class PagedAttention(nn.Module):
         return flash_attn_varlen_func(
             q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k,
             meta.max_seqlen_q, meta.max_seqlen_k, softmax_scale=self.scale, causal=True,
-            block_table=meta.block_tables)
+            window_size=(self.sliding_window - 1 if self.sliding_window else -1, 0),
+            alibi_slopes=getattr(self.position_bias, "slopes", None), block_table=meta.block_tables)

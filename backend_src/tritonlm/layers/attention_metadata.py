@@ -15,11 +15,13 @@ class AttentionMetadata:
     decode_token_index: torch.Tensor | None = None  # [Bd]
     decode_blocks: torch.Tensor | None = None  # [Bd, Hkv, nb] rows of the [blocks * Hkv, bs, D] view
     decode_mask: torch.Tensor | None = None  # [Bd, 1, nb * bs, 1], True where a key is visible
+    decode_distance: torch.Tensor | None = None  # [Bd, nb * bs] key minus query position
     # Rows with several query tokens (prefill chunks), padded to the longest.
     prefill_token_index: torch.Tensor | None = None  # [Bp, Qp]
     prefill_token_valid: torch.Tensor | None = None  # [Bp, Qp]
     prefill_blocks: torch.Tensor | None = None  # [Bp, Hkv, nb]
     prefill_mask: torch.Tensor | None = None  # [Bp, 1, Qp, nb * bs]
+    prefill_distance: torch.Tensor | None = None  # [Bp, Qp, nb * bs]
     # flash-attn backend
     slot_mapping: torch.Tensor | None = None  # [T]
     cu_seqlens_q: torch.Tensor | None = None
@@ -44,7 +46,15 @@ class StepLayout:
         return self.starts + self.lens
 
 
-def build_metadata(layout: StepLayout, num_kv_heads: int, use_flash: bool,
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What every attention layer of a model needs from the metadata."""
+    num_kv_heads: int
+    sliding_window: int | None = None  # a query sees keys less than this many positions back
+    needs_distances: bool = False  # position-dependent score biases (ALiBi, T5 buckets)
+
+
+def build_metadata(layout: StepLayout, spec: AttentionSpec, use_flash: bool,
                    to_tensor: Callable[[np.ndarray], torch.Tensor]) -> AttentionMetadata:
     bs = layout.block_size
     row = np.repeat(np.arange(len(layout.lens)), layout.lens)
@@ -52,29 +62,41 @@ def build_metadata(layout: StepLayout, num_kv_heads: int, use_flash: bool,
     offset = layout.positions % bs
     if use_flash:
         return _flash_metadata(layout, block * bs + offset, to_tensor)
-    heads = np.arange(num_kv_heads)
-    write_rows = ((block[:, None] * num_kv_heads + heads) * bs + offset[:, None]).reshape(-1)
+    heads = np.arange(spec.num_kv_heads)
+    write_rows = ((block[:, None] * spec.num_kv_heads + heads) * bs + offset[:, None]).reshape(-1)
     meta = AttentionMetadata(write_rows=to_tensor(write_rows))
-    context = layout.context
     decode = layout.lens == 1
     if decode.any():
         blocks, keys = _context_blocks(layout, decode, heads)
+        query_pos = layout.context[decode][:, None] - 1  # [Bd, 1]
+        distance = keys[None, :] - query_pos
         meta.decode_token_index = to_tensor(layout.first[decode])
         meta.decode_blocks = to_tensor(blocks)
-        meta.decode_mask = to_tensor((keys[None, :] < context[decode][:, None])[:, None, :, None])
+        meta.decode_mask = to_tensor(_visible(distance, spec)[:, None, :, None])
+        if spec.needs_distances:
+            meta.decode_distance = to_tensor(distance)
     prefill = ~decode
     if prefill.any():
         blocks, keys = _context_blocks(layout, prefill, heads)
         q = np.arange(int(layout.lens[prefill].max()))
         valid = q[None, :] < layout.lens[prefill][:, None]
         query_pos = layout.starts[prefill][:, None] + q[None, :]
-        mask = ((keys[None, None, :] <= query_pos[:, :, None])
-                & (keys[None, None, :] < context[prefill][:, None, None]))
+        distance = keys[None, None, :] - query_pos[:, :, None]  # [Bp, Qp, L]
         meta.prefill_token_index = to_tensor(np.where(valid, layout.first[prefill][:, None] + q, 0))
         meta.prefill_token_valid = to_tensor(valid)
         meta.prefill_blocks = to_tensor(blocks)
-        meta.prefill_mask = to_tensor(mask[:, None, :, :])
+        meta.prefill_mask = to_tensor(_visible(distance, spec)[:, None, :, :])
+        if spec.needs_distances:
+            meta.prefill_distance = to_tensor(distance)
     return meta
+
+
+def _visible(distance: np.ndarray, spec: AttentionSpec) -> np.ndarray:
+    """Causal (keys at or before the query, which also hides padding past the context) and windowed."""
+    visible = distance <= 0
+    if spec.sliding_window is not None:
+        visible &= distance > -spec.sliding_window
+    return visible
 
 
 def _context_blocks(layout: StepLayout, rows: np.ndarray, heads: np.ndarray):

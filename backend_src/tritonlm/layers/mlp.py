@@ -1,4 +1,4 @@
-"""Gated MLP (SwiGLU-style): down(act(gate(x)) * up(x)), gate and up in one matmul."""
+"""Feed-forward blocks: the gated (SwiGLU-style) MLP and the plain two-layer one."""
 import torch
 from torch import nn
 
@@ -6,6 +6,8 @@ from tritonlm.layers.activation import activation
 
 
 class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up in one matmul."""
+
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
@@ -15,3 +17,18 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+
+class MLP(nn.Module):
+    """down(act(up(x))), the two projections named as the family's checkpoint names them."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool,
+                 names: tuple[str, str] = ("up_proj", "down_proj")):
+        super().__init__()
+        self.up_name, self.down_name = names
+        self.add_module(self.up_name, nn.Linear(hidden_size, intermediate_size, bias=bias))
+        self.add_module(self.down_name, nn.Linear(intermediate_size, hidden_size, bias=bias))
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.down_name)(self.act(getattr(self, self.up_name)(x)))

@@ -22,7 +22,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
-                                   self.head_dim ** -0.5)
+                                   self.head_dim ** -0.5, getattr(config, "sliding_window", None))
 
     def forward(self, positions, x, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
@@ -68,6 +68,7 @@ class LlamaForCausalLM(nn.Module):
     # Fused projections, loaded by concatenating the checkpoint's separate ones.
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                       "gate_up_proj": ("gate_proj", "up_proj")}
+    ignored_checkpoint_tensors = r".*rotary_emb\.inv_freq"
 
     def __init__(self, config, max_positions: int):
         super().__init__()

@@ -1,4 +1,10 @@
-"""Builds a model on the meta device and assigns its weights from this rank's safetensors file."""
+"""Builds a model on the meta device and assigns its weights from this rank's safetensors file.
+
+Models mirror their Hugging Face module names, so a parameter is read from the checkpoint tensor of
+the same name, or, for a fused module listed in the model's `packed_modules`, from its parts
+concatenated along the output dimension. The same plan validates a checkpoint at conversion time.
+"""
+import re
 from pathlib import Path
 
 import torch
@@ -6,32 +12,69 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig
 
-from tritonlm.models.registry import model_class
+from tritonlm.models.registry import context_limit, model_class
+
+Shapes = dict[str, tuple[int, ...]]
 
 
 def load_config(weights_dir: Path):
     return AutoConfig.from_pretrained(weights_dir)
 
 
+def build_model(config, max_positions: int | None = None) -> nn.Module:
+    """The model for `config` on the meta device, without weights."""
+    with torch.device("meta"):
+        return model_class(config)(config, max_positions or context_limit(config))
+
+
+def checkpoint_plan(model: nn.Module, found: Shapes) -> dict[str, list[str]]:
+    """Parameter name -> the checkpoint tensors it is made of; ValueError naming what does not fit.
+    Checkpoint tensors the model does not read must be declared ignorable by it."""
+    packed = getattr(model, "packed_modules", {})
+    plan, missing, wrong = {}, [], []
+    for name, param in model.state_dict().items():
+        sources = _checkpoint_names(name, packed)
+        absent = [s for s in sources if s not in found]
+        missing += absent
+        if not absent and not _fits(tuple(param.shape), [found[s] for s in sources]):
+            wrong.append(f"{'+'.join(sources)} {[found[s] for s in sources]} "
+                         f"(expected {tuple(param.shape)})")
+        plan[name] = sources
+    used = {s for sources in plan.values() for s in sources}
+    ignored = re.compile(getattr(model, "ignored_checkpoint_tensors", r"$^"))
+    tied_copy = "lm_head.weight" if "lm_head.weight" not in plan else None
+    unexpected = [k for k in found if k not in used and k != tied_copy and not ignored.fullmatch(k)]
+    for problem, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            raise ValueError(f"{problem} tensors: {', '.join(names[:3])}{more}")
+    return plan
+
+
 def load_model(weights_dir: Path, config, dtype: torch.dtype, device: torch.device,
                max_positions: int, rank: int = 0) -> nn.Module:
     """The model for `config` with weights from `rank{rank}.safetensors`, in eval mode."""
-    with torch.device("meta"):
-        model = model_class(config)(config, max_positions)
-    packed = getattr(model, "packed_modules", {})
+    model = build_model(config, max_positions)
     state = {}
     with safe_open(weights_dir / f"rank{rank}.safetensors", framework="pt") as f:
-        available = set(f.keys())
-        for name in model.state_dict():
-            sources = _checkpoint_names(name, packed)
-            missing = [s for s in sources if s not in available]
-            if missing:
-                raise ValueError(f"weights missing from {weights_dir}: {missing}")
+        found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        try:
+            plan = checkpoint_plan(model, found)
+        except ValueError as e:
+            raise ValueError(f"{weights_dir}: {e}") from None
+        for name, sources in plan.items():
             tensor = torch.cat([f.get_tensor(s) for s in sources]) if len(sources) > 1 \
                 else f.get_tensor(sources[0])
             state[name] = tensor.to(device=device, dtype=dtype)
     model.load_state_dict(state, assign=True, strict=True)
     return model.to(device).eval()
+
+
+def _fits(shape: tuple[int, ...], parts: list[tuple[int, ...]]) -> bool:
+    if len(parts) == 1:
+        return parts[0] == shape
+    return (all(p[1:] == shape[1:] for p in parts)
+            and sum(p[0] for p in parts) == shape[0])
 
 
 def _checkpoint_names(name: str, packed: dict[str, tuple[str, ...]]) -> list[str]:

@@ -5,12 +5,13 @@ from pathlib import Path
 
 import torch
 from tritonlm.config import DTYPES, EngineConfig
+from tritonlm.models.registry import context_limit
 from tritonlm.triton.contract import render_config_pbtxt
 
 from .architectures import select_tensors
 from .errors import ConversionError
 from .gguf_source import GGUFSource
-from .hf_config import canonical_config
+from .hf_config import canonical_config, resolve_config
 from .hf_source import HFSource
 from .repository import write_model
 from .sources import Source
@@ -85,8 +86,9 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
         raise ConversionError(f"instance kind must be one of {', '.join(INSTANCE_KINDS)}, got {kind!r}")
     source = open_source(src, trust_pickle)
     dtype = resolve_dtype(dtype, source.stored_dtype)
-    config = canonical_config(source.raw_config, source.arch, dtype)
-    shapes = select_tensors(source.arch, config, source.tensor_shapes())
+    resolved = resolve_config(source.raw_config)
+    shapes = select_tensors(resolved, source.tensor_shapes())
+    config = canonical_config(resolved, dtype)
     tokenizer = source.tokenizer()
     if chat_template is not None:
         tokenizer.chat_template = load_chat_template(tokenizer, chat_template)
@@ -94,7 +96,7 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
         raise ConversionError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's "
                               f"vocab_size {config['vocab_size']}")
     engine = EngineConfig(dtype=dtype, max_model_len=resolve_max_model_len(max_model_len,
-                                                                           config["max_position_embeddings"]))
+                                                                           context_limit(resolved)))
     parameters = {
         "architecture": config["architectures"][0],
         "max_model_len": str(engine.max_model_len),

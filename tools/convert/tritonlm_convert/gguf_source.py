@@ -40,7 +40,7 @@ class GGUFSource(Source):
             raise ConversionError(f"{path} is not a readable GGUF file: {e}") from None
         if Keys.General.ARCHITECTURE not in self.meta:
             raise ConversionError(f"{path} has no {Keys.General.ARCHITECTURE} metadata")
-        self.arch = lookup_gguf(self.meta[Keys.General.ARCHITECTURE])
+        self.layout = lookup_gguf(self.meta[Keys.General.ARCHITECTURE])
         self._tensors = {self._hf_name(t.name): t for t in self.reader.tensors}
         self._shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in self._tensors.items()}
         for tensor in self.reader.tensors:
@@ -54,12 +54,12 @@ class GGUFSource(Source):
         base, _, kind = gguf_name.rpartition(".")
         layer = _LAYER_TENSOR.fullmatch(base)
         if layer:
-            name = self.arch.gguf_layer_tensors.get(layer[2])
+            name = self.layout.layer_tensors.get(layer[2])
             name = name and f"model.layers.{layer[1]}.{name}"
         else:
-            name = self.arch.gguf_tensors.get(base)
+            name = self.layout.tensors.get(base)
         if name is None:
-            raise ConversionError(f"unsupported GGUF tensor {gguf_name} for architecture {self.arch.names[0]}")
+            raise ConversionError(f"unsupported GGUF tensor {gguf_name} for architecture {self.layout.architecture}")
         return f"{name}.{kind}"
 
     def _config(self) -> dict:
@@ -70,8 +70,8 @@ class GGUFSource(Source):
         if arch_meta.get("rope.dimension_count", head_dim) != head_dim:
             raise ConversionError("GGUF models with partial rotary embeddings are not supported")
         config = {
-            "architectures": [self.arch.names[0]],
-            "model_type": self.arch.model_type,
+            "architectures": [self.layout.architecture],
+            "model_type": self.layout.model_type,
             "hidden_size": arch_meta["embedding_length"],
             "intermediate_size": arch_meta["feed_forward_length"],
             "num_hidden_layers": arch_meta["block_count"],
@@ -107,9 +107,9 @@ class GGUFSource(Source):
         """One tensor, dequantized to float32, with llama.cpp's q/k row permutation undone."""
         tensor = self._tensors[name]
         weight = dequantize(tensor.data, tensor.tensor_type, self._shapes[name])
-        if self.arch.gguf_rope_permuted and ".self_attn.q_proj." in name:
+        if self.layout.rope_permuted and ".self_attn.q_proj." in name:
             weight = unpermute_rope(weight, self.raw_config["num_attention_heads"])
-        elif self.arch.gguf_rope_permuted and ".self_attn.k_proj." in name:
+        elif self.layout.rope_permuted and ".self_attn.k_proj." in name:
             weight = unpermute_rope(weight, self.raw_config["num_key_value_heads"])
         return torch.from_numpy(weight)
 

@@ -1,7 +1,6 @@
 """The canonical config.json written next to the weights."""
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
-from .architectures import Architecture
 from .errors import ConversionError
 
 
@@ -10,18 +9,22 @@ def source_dtype(raw: dict) -> str | None:
     return raw.get("torch_dtype") or raw.get("dtype")
 
 
-def canonical_config(raw: dict, arch: Architecture, dtype: str) -> dict:
-    """`raw` with every field the engine reads made explicit, transformers' defaults filled in."""
+def resolve_config(raw: dict) -> PretrainedConfig:
+    """transformers' config object for `raw`, defaults filled in; ConversionError if it is invalid."""
     values = {k: v for k, v in raw.items() if k not in ("model_type", "dtype", "torch_dtype")}
     try:
-        resolved = AutoConfig.for_model(raw.get("model_type"), **values)
+        return AutoConfig.for_model(raw.get("model_type"), **values)
     except (KeyError, ValueError, TypeError) as e:
         raise ConversionError(f"invalid config.json: {e}") from None
-    config = {k: v for k, v in raw.items() if k != "dtype"}
-    config.update({k: getattr(resolved, k) for k in arch.config_fields})
-    # transformers 5 folds rope_theta and rope_scaling into rope_parameters; write both spellings.
-    rope = dict(resolved.rope_parameters or {})
-    config["rope_theta"] = rope.pop("rope_theta")
-    config["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+
+
+def canonical_config(resolved: PretrainedConfig, dtype: str) -> dict:
+    """Every field of the resolved config written out, so the engine never relies on defaults."""
+    config = resolved.to_dict()
+    config.pop("dtype", None)
+    rope = dict(getattr(resolved, "rope_parameters", None) or {})
+    if "rope_theta" in rope:  # transformers 5 folds rope_theta and rope_scaling in; write both spellings
+        config["rope_theta"] = rope.pop("rope_theta")
+        config["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
     config["torch_dtype"] = dtype
     return config

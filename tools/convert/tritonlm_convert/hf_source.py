@@ -37,7 +37,7 @@ class HFSource(Source):
         if not (directory / "config.json").is_file():
             raise ConversionError(f"{directory} has no config.json, so it is not a Hugging Face model directory")
         self.raw_config = read_json(directory / "config.json")
-        self.arch = lookup(self.raw_config)
+        lookup(self.raw_config)
         self.stored_dtype = source_dtype(self.raw_config)
         self._shapes: Shapes = {}
         self._holders: dict[str, object] = {}  # tensor name -> open safetensors file or state dict

@@ -4,13 +4,12 @@ from abc import ABC, abstractmethod
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .architectures import Architecture, Shapes
+from .architectures import Shapes
 
 
 class Source(ABC):
-    """A model to convert: its architecture, config, tensors under Hugging Face names, and tokenizer."""
+    """A model to convert: its config, tensors under Hugging Face names, and tokenizer."""
 
-    arch: Architecture
     raw_config: dict  # config.json contents before canonicalization
     stored_dtype: str | None  # the dtype of the stored weights, None when they are quantized
 
