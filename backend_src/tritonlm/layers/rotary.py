@@ -1,22 +1,52 @@
-"""Rotary position embeddings with a cos/sin table precomputed up to the context limit."""
+"""Rotary position embeddings (neox rotate-half) with Hugging Face's frequency schemes.
+
+Position-pure schemes read a cos/sin table precomputed up to the context limit. Dynamic NTK
+depends on how long the sequence is in this step, so its frequencies are computed per token.
+"""
 import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-# Types whose frequencies depend on the batch's current length are not position-pure.
-_UNSUPPORTED = {"dynamic"}
+from tritonlm.layers.attention_metadata import AttentionMetadata
+
+
+def _rope_parameters(config) -> dict:
+    return getattr(config, "rope_parameters", None) or {}
 
 
 def _inverse_frequencies(config, rotary_dim: int) -> tuple[torch.Tensor, float]:
-    rope = getattr(config, "rope_parameters", None) or {}
+    rope = _rope_parameters(config)
     rope_type = rope.get("rope_type", "default")
-    if rope_type in _UNSUPPORTED or (rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS):
-        raise ValueError(f"rope_type {rope_type!r} is not supported")
     if rope_type == "default":
         base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim
         return 1.0 / (base ** exponents), 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_type {rope_type!r} is not supported")
     return ROPE_INIT_FUNCTIONS[rope_type](config)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates the first rotary_dim features of x [T, H, D]; cos and sin: [T, 1, rotary_dim]."""
+    rotary_dim = cos.shape[-1]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos + rotated * sin
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+def step_lengths(positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Per token: its sequence's length once this step's tokens are in (last position + 1)."""
+    if meta.cu_seqlens_q is not None:  # flash-attn metadata: rows' query and key counts
+        return torch.repeat_interleave(meta.cu_seqlens_k.diff(), meta.cu_seqlens_q.diff(),
+                                       output_size=positions.shape[0])
+    lengths = positions + 1  # right for decode rows, whose one token is the last
+    if meta.prefill_token_index is not None:
+        index, valid = meta.prefill_token_index, meta.prefill_token_valid
+        row_length = torch.where(valid, positions[index], -1).amax(dim=1, keepdim=True) + 1
+        lengths[index[valid]] = row_length.expand_as(index)[valid]
+    return lengths
 
 
 class RotaryEmbedding(nn.Module):
@@ -24,23 +54,52 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config, rotary_dim: int, max_positions: int):
         super().__init__()
+        self.rotary_dim = rotary_dim
+        rope = _rope_parameters(config)
+        self.dynamic = rope.get("rope_type") == "dynamic"
+        if self.dynamic:
+            self.base, self.factor = rope["rope_theta"], rope["factor"]
+            self.original_length = config.max_position_embeddings  # HF scales past this one
+            return
         with torch.device("cpu"):  # real tables even when the model is built on the meta device
             inv_freq, scaling = _inverse_frequencies(config, rotary_dim)
             freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
-        self.rotary_dim = rotary_dim
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D]; returns both rotated."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+    def cos_sin(self, positions: torch.Tensor, meta: AttentionMetadata | None = None,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token cos and sin [T, 1, rotary_dim] for this step; dynamic NTK needs `meta`."""
+        if self.dynamic:
+            if meta is None:
+                raise ValueError("dynamic rope needs the step's attention metadata")
+            freqs = positions[:, None].float() * self._dynamic_inverse_frequencies(
+                step_lengths(positions, meta))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+        else:
+            cos, sin = self.cos[positions], self.sin[positions]
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
-        half = self.rotary_dim // 2
-        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        out = rot * cos + rotated * sin
-        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+    def _dynamic_inverse_frequencies(self, lengths: torch.Tensor) -> torch.Tensor:
+        """[T, rotary_dim / 2]: HF's `_compute_dynamic_ntk_parameters` at each token's length.
+
+        HF recomputes the frequencies once per forward from the whole batch's longest sequence and
+        keeps them while a request grows; per token and per sequence this equals HF serving one
+        request at a time. The keys keep the frequencies of the step that wrote them, so a prompt
+        split by chunked prefill, recomputed after preemption or partly reused from the prefix
+        cache was rotated with other lengths than HF's single prefill uses.
+        """
+        dim = self.rotary_dim
+        length = torch.clamp(lengths, min=self.original_length)
+        base = self.base * ((self.factor * length / self.original_length)
+                            - (self.factor - 1)) ** (dim / (dim - 2))
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=lengths.device).float() / dim
+        return 1.0 / (base[:, None] ** exponents[None, :])
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                meta: AttentionMetadata | None = None):
+        """q: [T, Hq, D], k: [T, Hkv, D]; returns both rotated."""
+        cos, sin = self.cos_sin(positions, meta, q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

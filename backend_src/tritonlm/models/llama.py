@@ -1,4 +1,5 @@
-"""Llama family: Llama / Llama 2 / Code Llama / Mistral-style GQA, SmolLM2."""
+"""Llama family: Llama / Llama 2 / Code Llama / Mistral-style GQA, SmolLM2; the base of Qwen2 and
+Gemma, which override the hooks of LlamaModel (norm_class, attention, embed)."""
 import torch
 from torch import nn
 
@@ -6,65 +7,78 @@ from tritonlm.layers.attention import PagedAttention
 from tritonlm.layers.attention_metadata import AttentionMetadata
 from tritonlm.layers.mlp import GatedMLP
 from tritonlm.layers.norm import RMSNorm
-from tritonlm.layers.rotary import RotaryEmbedding
+from tritonlm.layers.rotary import RotaryEmbedding, apply_rotary
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # this step's per-token cos and sin
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding):
+    def __init__(self, config, sliding_window: int | None, qkv_bias: bool, o_bias: bool):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        bias = getattr(config, "attention_bias", False)
-        hidden = config.hidden_size
+        self.head_dim = head_dim(config)
         self.split = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
-        self.qkv_proj = nn.Linear(hidden, sum(self.split), bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self.rotary = rotary
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split), bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
-                                   self.head_dim ** -0.5, getattr(config, "sliding_window", None))
+                                   self.head_dim ** -0.5, sliding_window)
 
-    def forward(self, positions, x, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: Rope, x, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), *rope)
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), *rope)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, meta).flatten(1))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding):
+    def __init__(self, config, self_attn: LlamaAttention, norm_class: type[RMSNorm]):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = norm_class(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = norm_class(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                             getattr(config, "mlp_bias", False))
 
-    def forward(self, positions, x, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+    def forward(self, rope: Rope, x, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
+    norm_class = RMSNorm
+
     def __init__(self, config, max_positions: int):
         super().__init__()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(config, head_dim, max_positions)
+        self.rotary_emb = RotaryEmbedding(config, head_dim(config), max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.attention(config, i), self.norm_class)
+            for i in range(config.num_hidden_layers))
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
+
+    def attention(self, config, layer_index: int) -> LlamaAttention:
+        bias = getattr(config, "attention_bias", False)
+        return LlamaAttention(config, getattr(config, "sliding_window", None), bias, bias)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
+        rope = self.rotary_emb.cos_sin(positions, meta, x.dtype)  # once for every layer
         for layer in self.layers:
-            x = layer(positions, x, meta)
+            x = layer(rope, x, meta)
         return self.norm(x)
 
 
 class LlamaForCausalLM(nn.Module):
+    decoder_class = LlamaModel
     # Fused projections, loaded by concatenating the checkpoint's separate ones.
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                       "gate_up_proj": ("gate_proj", "up_proj")}
@@ -72,7 +86,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config, max_positions: int):
         super().__init__()
-        self.model = LlamaModel(config, max_positions)
+        self.model = self.decoder_class(config, max_positions)
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
