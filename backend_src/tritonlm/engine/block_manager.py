@@ -26,7 +26,13 @@ class BlockManager:
 
     def num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
-        return max(0, needed - len(seq.block_table)) + self._needs_copy(seq)
+        return (max(0, needed - len(seq.block_table)) + self._needs_copy(seq)
+                + self._missing_cross_blocks(seq))
+
+    def _missing_cross_blocks(self, seq: Sequence) -> int:
+        if seq.encoder_token_ids is None:
+            return 0
+        return self.blocks_for(len(seq.encoder_token_ids)) - len(seq.cross_block_table)
 
     def _needs_copy(self, seq: Sequence) -> bool:
         """The block that receives the next token is shared: write to a private copy."""
@@ -51,6 +57,7 @@ class BlockManager:
             copy = (shared, seq.block_table[index])
         while len(seq.block_table) < self.blocks_for(seq.num_computed_tokens + num_new_tokens):
             seq.block_table.append(self._take())
+        seq.cross_block_table += [self._take() for _ in range(self._missing_cross_blocks(seq))]
         return copy
 
     def _take(self) -> int:
@@ -101,16 +108,20 @@ class BlockManager:
         """Let `target` reuse `source`'s KV for its first `num_tokens` tokens."""
         target.block_table = source.block_table[:self.blocks_for(num_tokens)]
         target.block_hashes = source.block_hashes[:num_tokens // self.block_size]
-        for block in target.block_table:
+        target.cross_block_table = list(source.cross_block_table)
+        target.encoder_computed = source.encoder_computed
+        for block in target.block_table + target.cross_block_table:
             self.ref_counts[block] += 1
         target.num_computed_tokens = min(num_tokens, len(target.block_table) * self.block_size)
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references; blocks nobody references return to the free list."""
         # The deepest blocks of a prefix are freed first, so they are evicted first.
-        for block in reversed(seq.block_table):
+        for block in reversed(seq.cross_block_table + seq.block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free_blocks[block] = None
         seq.block_table = []
         seq.block_hashes = []
+        seq.cross_block_table = []
+        seq.encoder_computed = False

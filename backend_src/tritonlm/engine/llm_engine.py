@@ -67,8 +67,13 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_model_len, context_limit(self.hf_config))
         self.config.max_model_len = self.max_model_len
         self.runner = ModelRunner(self.config, self.hf_config, weights_dir)
+        # Encoder-decoder: the prompt is encoded and the decoder starts from this one token. Its
+        # KV depends on the encoder output, so equal decoder prefixes are not reusable.
+        self._decoder_start = ([self.hf_config.decoder_start_token_id]
+                               if self.hf_config.is_encoder_decoder else None)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching)
+                                          self.config.enable_prefix_caching
+                                          and self._decoder_start is None)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens,
                                    self._eos_token_ids(weights_dir))
@@ -145,15 +150,18 @@ class LLMEngine:
         if request.request_id in self._requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
         p = request.params
+        prompt, encoder_input = request.prompt_token_ids, None
+        if self._decoder_start is not None:
+            prompt, encoder_input = self._decoder_start, request.prompt_token_ids
         max_total = self.max_model_len
         if p.max_tokens is not None:
-            max_total = min(max_total, len(request.prompt_token_ids) + p.max_tokens)
+            max_total = min(max_total, len(prompt) + p.max_tokens)
         seed = p.seed if p.seed is not None else random.getrandbits(63)
-        seq = Sequence(next(self._seq_ids), request.request_id, request.prompt_token_ids, p, seed,
-                       max_total, request.bad_words_ids)
+        seq = Sequence(next(self._seq_ids), request.request_id, prompt, p, seed, max_total,
+                       request.bad_words_ids, encoder_token_ids=encoder_input)
 
         def make_detokenizer():
-            return IncrementalDetokenizer(self._decoder, request.prompt_token_ids,
+            return IncrementalDetokenizer(self._decoder, prompt,
                                           p.skip_special_tokens, p.stop,
                                           p.include_stop_str_in_output)
         state = RequestState(seq, make_detokenizer, self._logprob_entry,
@@ -239,7 +247,8 @@ class LLMEngine:
         for index in range(len(state.seqs), state.num_sequences):
             seed = (first.seed + index * _SEED_STRIDE) % (1 << 63)
             child = Sequence(next(self._seq_ids), first.request_id, first.prompt_token_ids,
-                             first.params, seed, first.max_total_tokens, first.bad_words_ids, index)
+                             first.params, seed, first.max_total_tokens, first.bad_words_ids, index,
+                             first.encoder_token_ids)
             state.add_sequence(child)
             self._seq_requests[child.seq_id] = state
             self.scheduler.fork(first, child)

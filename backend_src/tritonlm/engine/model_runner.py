@@ -1,5 +1,4 @@
 """Owns the model, the KV cache and every tensor: turns a StepPlan into sampled tokens."""
-import itertools
 from pathlib import Path
 
 import numpy as np
@@ -8,7 +7,8 @@ import torch
 from tritonlm.config import EngineConfig
 from tritonlm.engine.step_plan import SampledToken, StepPlan
 from tritonlm.layers.attention import PagedAttention, cache_block_shape, flash_attention_usable
-from tritonlm.layers.attention_metadata import AttentionSpec, StepLayout, build_metadata
+from tritonlm.engine.step_inputs import StepInputBuilder
+from tritonlm.layers.attention_metadata import AttentionSpec
 from tritonlm.layers.sampler import SamplingTensors, sample
 from tritonlm.layers.token_counts import TokenCounts
 from tritonlm.models.loader import load_model
@@ -31,26 +31,32 @@ class ModelRunner:
         self.model = load_model(weights_dir, hf_config, self.dtype, self.device,
                                 config.max_model_len)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
-        self.attention_spec = _attention_spec(self.attention_layers)
         self.use_flash = (flash_attention_usable(self.device, self.dtype, self.block_size)
                           and all(layer.position_bias is None or hasattr(layer.position_bias, "slopes")
                                   for layer in self.attention_layers))  # flash knows only ALiBi
         self.num_blocks = self._allocate_kv_cache()
+        self.inputs = StepInputBuilder(
+            self.block_size, _attention_spec([a for a in self.attention_layers if a.causal]),
+            _attention_spec([a for a in self.attention_layers if not a.causal]),
+            self.use_flash, self.device)
         self.token_counts = TokenCounts(hf_config.vocab_size, self.device)
 
     def _allocate_kv_cache(self) -> int:
         first = self.attention_layers[0]
         block_shape = cache_block_shape(self.block_size, first.num_kv_heads, first.head_dim,
                                         self.use_flash)
-        bytes_per_block = (2 * len(self.attention_layers) * int(np.prod(block_shape))
-                           * self.dtype.itemsize)
+        slots = {}  # kv_slot (or the layer itself) -> index of its cache slice
+        for layer in self.attention_layers:
+            slots.setdefault(layer if layer.kv_slot is None else layer.kv_slot, len(slots))
+        bytes_per_block = 2 * len(slots) * int(np.prod(block_shape)) * self.dtype.itemsize
         num_blocks = self.config.num_kv_blocks or self.config.kv_cache_memory // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {self.config.kv_cache_memory} holds no "
                              f"{bytes_per_block}-byte block")
-        self.kv_cache = torch.zeros((2, len(self.attention_layers), num_blocks, *block_shape),
+        self.kv_cache = torch.zeros((2, len(slots), num_blocks, *block_shape),
                                     dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(self.attention_layers):
+        for layer in self.attention_layers:
+            i = slots[layer if layer.kv_slot is None else layer.kv_slot]
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             layer.use_flash = self.use_flash
         return num_blocks
@@ -63,12 +69,12 @@ class ModelRunner:
         if plan.block_copies:  # copy on write of shared blocks, before this step writes them
             source, target = (torch.tensor(i, device=self.device) for i in zip(*plan.block_copies))
             self.kv_cache[:, :, target] = self.kv_cache[:, :, source]
-        input_ids, positions, meta, sample_index = self._prepare(plan)
-        hidden = self.model(input_ids, positions, meta)
+        inputs = self.inputs.build(plan.chunks)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         sampling_chunks = [c for c in plan.chunks if c.sampling is not None]
         if not sampling_chunks:
             return {}
-        logits = self.model.compute_logits(hidden[sample_index])
+        logits = self.model.compute_logits(hidden[inputs.sample_index])
         out = sample(logits, self._sampling_tensors(sampling_chunks))
         tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()
         top_ids, top_logprobs = out.top_ids.tolist(), out.top_logprobs.tolist()
@@ -78,29 +84,6 @@ class ModelRunner:
             top = list(zip(top_ids[i][:n], top_logprobs[i][:n]))
             results[chunk.seq_id] = SampledToken(tokens[i], logprobs[i], top)
         return results
-
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
-
-    def _prepare(self, plan: StepPlan):
-        chunks = plan.chunks
-        lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
-        starts = np.array([c.start_pos for c in chunks], dtype=np.int64)
-        num_tokens = int(lens.sum())
-        ends = np.cumsum(lens)
-        first = ends - lens
-        input_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks),
-                                dtype=np.int64, count=num_tokens)
-        positions = np.repeat(starts, lens) + np.arange(num_tokens) - np.repeat(first, lens)
-        table_lens = np.array([len(c.block_table) for c in chunks], dtype=np.int64)
-        tables = np.zeros((len(chunks), int(table_lens.max())), dtype=np.int64)
-        tables[np.arange(tables.shape[1])[None, :] < table_lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(c.block_table for c in chunks), dtype=np.int64)
-        layout = StepLayout(lens, starts, first, positions, tables, self.block_size)
-        meta = build_metadata(layout, self.attention_spec, self.use_flash, self._tensor)
-        sample_index = np.array([e - 1 for c, e in zip(chunks, ends) if c.sampling is not None],
-                                dtype=np.int64)
-        return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(sample_index)
 
     def _sampling_tensors(self, chunks) -> SamplingTensors:
         rows = [c.sampling for c in chunks]
@@ -128,9 +111,11 @@ class ModelRunner:
         return tensors
 
 
-def _attention_spec(layers: list[PagedAttention]) -> AttentionSpec:
-    specs = {AttentionSpec(layer.num_kv_heads, layer.sliding_window, layer.position_bias is not None)
-             for layer in layers}
+def _attention_spec(layers: list[PagedAttention]) -> AttentionSpec | None:
+    if not layers:
+        return None
+    specs = {AttentionSpec(layer.num_kv_heads, layer.sliding_window,
+                           layer.position_bias is not None, layer.causal) for layer in layers}
     if len(specs) > 1:  # one metadata serves every layer
         raise ValueError(f"attention layers differ in kv heads, window or position bias: {specs}")
     return specs.pop()

@@ -36,7 +36,7 @@ class RequestState:
                  trace_parent: str | None = None):
         params = first.params
         self.request_id = first.request_id
-        self.num_prompt_tokens = first.num_prompt_tokens
+        self.num_prompt_tokens = first.num_input_tokens
         self.n = params.n
         self.num_sequences = params.best_of or params.n
         self.make_detokenizer = make_detokenizer

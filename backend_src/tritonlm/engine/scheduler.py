@@ -102,9 +102,12 @@ class Scheduler:
         tracked = seq.params.uses_penalties
         # A sequence admitted on reused KV: the runner has not seen the tokens before `start`.
         history = seq.token_ids[:start] if tracked and admitted else []
-        plan.chunks.append(ScheduledChunk(seq.seq_id, seq.token_ids[start:start + num_new], start,
-                                          list(seq.block_table), sampling, seq.num_prompt_tokens,
-                                          tracked, history))
+        encoder = seq.encoder_token_ids or []
+        plan.chunks.append(ScheduledChunk(
+            seq.seq_id, seq.token_ids[start:start + num_new], start, list(seq.block_table),
+            sampling, seq.num_prompt_tokens, tracked, history,
+            encoder_token_ids=None if seq.encoder_computed or not encoder else list(encoder),
+            cross_block_table=list(seq.cross_block_table), encoder_len=len(encoder)))
         return num_new
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
@@ -128,6 +131,7 @@ class Scheduler:
             if seq is None:  # aborted while the step ran
                 continue
             seq.num_computed_tokens += len(chunk.token_ids)
+            seq.encoder_computed = seq.encoder_token_ids is not None
             self.block_manager.cache_full_blocks(seq)
             if chunk.sampling is None:
                 continue
@@ -146,7 +150,8 @@ class Scheduler:
                 return FinishReason.STOP
         if seq.num_tokens >= seq.max_total_tokens:
             return FinishReason.LENGTH
-        if self.block_manager.blocks_for(seq.num_tokens) > self.block_manager.num_blocks:
+        needed = self.block_manager.blocks_for(seq.num_tokens) + len(seq.cross_block_table)
+        if needed > self.block_manager.num_blocks:
             return FinishReason.LENGTH  # the whole KV cache could not hold one more token
         return None
 

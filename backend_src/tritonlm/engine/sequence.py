@@ -20,7 +20,8 @@ class FinishReason:
 class Sequence:
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, max_total_tokens: int,
-                 bad_words_ids: list[list[int]] = (), index: int = 0):
+                 bad_words_ids: list[list[int]] = (), index: int = 0,
+                 encoder_token_ids: list[int] | None = None):
         self.seq_id = seq_id
         self.index = index  # among the request's n / best_of sequences
         self.request_id = request_id
@@ -35,6 +36,11 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # prefix-chain hashes of its full, computed blocks
+        # Encoder-decoder models: the prompt goes to the encoder, whose output becomes the
+        # cross-attention K/V held in `cross_block_table`; token_ids are the decoder's.
+        self.encoder_token_ids = encoder_token_ids
+        self.cross_block_table: list[int] = []
+        self.encoder_computed = False
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.cumulative_logprob = 0.0
@@ -54,6 +60,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_input_tokens(self) -> int:
+        """The request's prompt length: the encoder's input, or the decoder prompt."""
+        return len(self.encoder_token_ids) if self.encoder_token_ids else self.num_prompt_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:

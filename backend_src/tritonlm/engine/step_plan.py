@@ -23,6 +23,11 @@ class ScheduledChunk:
     num_prompt_tokens: int
     track_tokens: bool  # the sequence uses penalties: the runner keeps its token history
     history: list[int] = field(default_factory=list)  # tokens before start_pos, to (re)count
+    # Encoder-decoder models: the encoder input, when this step must encode it, and the blocks
+    # holding the cross-attention K/V of its encoder_len tokens.
+    encoder_token_ids: list[int] | None = None
+    cross_block_table: list[int] = field(default_factory=list)
+    encoder_len: int = 0
 
 
 @dataclass

@@ -33,11 +33,15 @@ def cache_block_shape(block_size: int, num_kv_heads: int, head_dim: int, use_fla
 
 
 class PagedAttention(nn.Module):
-    """Causal self-attention over the cache. `position_bias`, when given, maps key-minus-query
-    distances [..., L] to additive score biases [..., H, L] (ALiBi, T5's relative buckets)."""
+    """Attention over the paged cache. Self-attention (causal) writes this step's K/V and attends;
+    cross-attention (causal=False) attends to K/V written once by `write` when the encoder ran.
+    `position_bias`, when given, maps key-minus-query distances [..., L] to additive score biases
+    [..., H, L] (ALiBi, T5's relative buckets). Layers with the same `kv_slot` share one cache
+    slice (a decoder layer's self- and cross-attention, whose blocks never overlap)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, position_bias: nn.Module | None = None):
+                 sliding_window: int | None = None, position_bias=None, causal: bool = True,
+                 kv_slot: int | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -45,6 +49,8 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.position_bias = position_bias
+        self.causal = causal
+        self.kv_slot = kv_slot
         self.use_flash = False
         # Assigned by the model runner once the cache is allocated.
         self.k_cache = torch.empty(0)
@@ -53,12 +59,19 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k and v: [T, Hkv, D] for this step's tokens; returns [T, Hq, D]."""
+        self.write(k, v, meta.slot_mapping if self.use_flash else meta.write_rows)
+        return self.attend(q, meta)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store K/V [N, Hkv, D] at cache rows (flash: slots) [N * Hkv] (flash: [N])."""
+        width = self.num_kv_heads * self.head_dim if self.use_flash else self.head_dim
+        for cache, new in ((self.k_cache, k), (self.v_cache, v)):
+            rows_view = cache.view(-1, width)
+            rows_view.index_copy_(0, rows, new.reshape(-1, width).to(rows_view.dtype))
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.use_flash:
-            return self._flash(q, k, v, meta)
-        k_rows = self.k_cache.view(-1, self.head_dim)
-        v_rows = self.v_cache.view(-1, self.head_dim)
-        k_rows.index_copy_(0, meta.write_rows, k.reshape(-1, self.head_dim).to(k_rows.dtype))
-        v_rows.index_copy_(0, meta.write_rows, v.reshape(-1, self.head_dim).to(v_rows.dtype))
+            return self._flash(q, meta)
         out = torch.empty_like(q)
         if meta.decode_token_index is not None:
             out[meta.decode_token_index] = self._decode(q[meta.decode_token_index], meta)
@@ -99,13 +112,9 @@ class PagedAttention(nn.Module):
         out = torch.matmul(probs.transpose(-1, -2), values)  # [B, Hkv, G, D]
         return out.view(rows, self.num_heads, self.head_dim)
 
-    def _flash(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        k_slots = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        v_slots = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        k_slots.index_copy_(0, meta.slot_mapping, k.to(k_slots.dtype))
-        v_slots.index_copy_(0, meta.slot_mapping, v.to(v_slots.dtype))
+    def _flash(self, q, meta: AttentionMetadata) -> torch.Tensor:
         return flash_attn_varlen_func(
             q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k,
-            meta.max_seqlen_q, meta.max_seqlen_k, softmax_scale=self.scale, causal=True,
+            meta.max_seqlen_q, meta.max_seqlen_k, softmax_scale=self.scale, causal=self.causal,
             window_size=(self.sliding_window - 1 if self.sliding_window else -1, 0),
             alibi_slopes=getattr(self.position_bias, "slopes", None), block_table=meta.block_tables)

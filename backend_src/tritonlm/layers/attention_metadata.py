@@ -7,6 +7,14 @@ import torch
 
 
 @dataclass
+class EncoderBatch:
+    """Encoder-decoder models: the prompts to encode this step, padded to the longest."""
+    input_ids: torch.Tensor  # [B, S]
+    valid: torch.Tensor  # [B, S] bool
+    write_rows: torch.Tensor  # where the N valid tokens' cross-attention K/V go (write_locations)
+
+
+@dataclass
 class AttentionMetadata:
     """Where this step's K/V go in the cache and which cached tokens each query sees."""
     # PyTorch backend: rows of the cache viewed [num_blocks * Hkv * bs, D] for each new (token, head).
@@ -29,6 +37,9 @@ class AttentionMetadata:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
+    # Encoder-decoder models: the decoder's view of the encoder output, and what to encode.
+    cross: "AttentionMetadata | None" = None
+    encoder: EncoderBatch | None = None
 
 
 @dataclass
@@ -40,39 +51,41 @@ class StepLayout:
     positions: np.ndarray  # [T]
     tables: np.ndarray  # [B, max_blocks] block tables, zero-padded
     block_size: int
+    kv_lens: np.ndarray | None = None  # keys per row, when not starts + lens (cross-attention)
 
     @property
     def context(self) -> np.ndarray:
-        return self.starts + self.lens
+        return self.starts + self.lens if self.kv_lens is None else self.kv_lens
 
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """What every attention layer of a model needs from the metadata."""
+    """What every attention layer of one kind (self or cross) needs from the metadata."""
     num_kv_heads: int
     sliding_window: int | None = None  # a query sees keys less than this many positions back
     needs_distances: bool = False  # position-dependent score biases (ALiBi, T5 buckets)
+    causal: bool = True  # False: cross-attention, every key of the row visible, nothing written
 
 
 def build_metadata(layout: StepLayout, spec: AttentionSpec, use_flash: bool,
                    to_tensor: Callable[[np.ndarray], torch.Tensor]) -> AttentionMetadata:
-    bs = layout.block_size
-    row = np.repeat(np.arange(len(layout.lens)), layout.lens)
-    block = layout.tables[row, layout.positions // bs]
-    offset = layout.positions % bs
     if use_flash:
-        return _flash_metadata(layout, block * bs + offset, to_tensor)
+        return _flash_metadata(layout, spec, to_tensor)
     heads = np.arange(spec.num_kv_heads)
-    write_rows = ((block[:, None] * spec.num_kv_heads + heads) * bs + offset[:, None]).reshape(-1)
-    meta = AttentionMetadata(write_rows=to_tensor(write_rows))
+    meta = AttentionMetadata()
+    if spec.causal:
+        meta.write_rows = to_tensor(write_locations(layout.tables, layout.lens, layout.positions,
+                                                    layout.block_size, spec.num_kv_heads, False))
+    context = layout.context
     decode = layout.lens == 1
     if decode.any():
         blocks, keys = _context_blocks(layout, decode, heads)
-        query_pos = layout.context[decode][:, None] - 1  # [Bd, 1]
+        query_pos = layout.starts[decode][:, None]  # [Bd, 1]
         distance = keys[None, :] - query_pos
+        visible = _visible(distance, keys[None, :] < context[decode][:, None], spec)
         meta.decode_token_index = to_tensor(layout.first[decode])
         meta.decode_blocks = to_tensor(blocks)
-        meta.decode_mask = to_tensor(_visible(distance, spec)[:, None, :, None])
+        meta.decode_mask = to_tensor(visible[:, None, :, None])
         if spec.needs_distances:
             meta.decode_distance = to_tensor(distance)
     prefill = ~decode
@@ -82,18 +95,36 @@ def build_metadata(layout: StepLayout, spec: AttentionSpec, use_flash: bool,
         valid = q[None, :] < layout.lens[prefill][:, None]
         query_pos = layout.starts[prefill][:, None] + q[None, :]
         distance = keys[None, None, :] - query_pos[:, :, None]  # [Bp, Qp, L]
+        in_context = (keys[None, None, :] < context[prefill][:, None, None]) & valid[:, :, None]
         meta.prefill_token_index = to_tensor(np.where(valid, layout.first[prefill][:, None] + q, 0))
         meta.prefill_token_valid = to_tensor(valid)
         meta.prefill_blocks = to_tensor(blocks)
-        meta.prefill_mask = to_tensor(_visible(distance, spec)[:, None, :, :])
+        visible = _visible(distance, in_context, spec)
+        visible[..., 0] |= ~valid  # padded query rows see key 0, so no softmax row is empty
+        meta.prefill_mask = to_tensor(visible[:, None, :, :])
         if spec.needs_distances:
             meta.prefill_distance = to_tensor(distance)
     return meta
 
 
-def _visible(distance: np.ndarray, spec: AttentionSpec) -> np.ndarray:
-    """Causal (keys at or before the query, which also hides padding past the context) and windowed."""
-    visible = distance <= 0
+def write_locations(tables: np.ndarray, lens: np.ndarray, positions: np.ndarray, block_size: int,
+                    num_kv_heads: int, use_flash: bool) -> np.ndarray:
+    """Where each new token's K/V go: flash-attn, its slot in the [num_blocks * bs, Hkv, D] view;
+    PyTorch, the rows of the [num_blocks * Hkv * bs, D] view for each (token, kv head)."""
+    row = np.repeat(np.arange(len(lens)), lens)
+    block = tables[row, positions // block_size]
+    offset = positions % block_size
+    if use_flash:
+        return block * block_size + offset
+    heads = np.arange(num_kv_heads)
+    return ((block[:, None] * num_kv_heads + heads) * block_size + offset[:, None]).reshape(-1)
+
+
+def _visible(distance: np.ndarray, in_context: np.ndarray, spec: AttentionSpec) -> np.ndarray:
+    """Keys of the row's context; for self-attention, at or before the query and in its window."""
+    if not spec.causal:
+        return in_context
+    visible = in_context & (distance <= 0)
     if spec.sliding_window is not None:
         visible &= distance > -spec.sliding_window
     return visible
@@ -107,10 +138,14 @@ def _context_blocks(layout: StepLayout, rows: np.ndarray, heads: np.ndarray):
     return blocks, np.arange(num_blocks * layout.block_size)
 
 
-def _flash_metadata(layout: StepLayout, slots: np.ndarray, to_tensor) -> AttentionMetadata:
+def _flash_metadata(layout: StepLayout, spec: AttentionSpec, to_tensor) -> AttentionMetadata:
     def cumulative(x):
         return to_tensor(np.concatenate(([0], np.cumsum(x))).astype(np.int32))
-    return AttentionMetadata(
-        slot_mapping=to_tensor(slots), cu_seqlens_q=cumulative(layout.lens),
-        cu_seqlens_k=cumulative(layout.context), max_seqlen_q=int(layout.lens.max()),
-        max_seqlen_k=int(layout.context.max()), block_tables=to_tensor(layout.tables.astype(np.int32)))
+    meta = AttentionMetadata(
+        cu_seqlens_q=cumulative(layout.lens), cu_seqlens_k=cumulative(layout.context),
+        max_seqlen_q=int(layout.lens.max()), max_seqlen_k=int(layout.context.max()),
+        block_tables=to_tensor(layout.tables.astype(np.int32)))
+    if spec.causal:
+        meta.slot_mapping = to_tensor(write_locations(layout.tables, layout.lens, layout.positions,
+                                                      layout.block_size, spec.num_kv_heads, True))
+    return meta

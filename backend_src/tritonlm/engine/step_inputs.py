@@ -1,0 +1,81 @@
+"""Turns a StepPlan's chunks into the model's inputs: token ids, positions, attention metadata."""
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tritonlm.engine.step_plan import ScheduledChunk
+from tritonlm.layers.attention_metadata import (AttentionMetadata, AttentionSpec, EncoderBatch,
+                                                StepLayout, build_metadata, write_locations)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_index: torch.Tensor  # the token whose hidden state each sampling chunk samples from
+
+
+class StepInputBuilder:
+    def __init__(self, block_size: int, self_spec: AttentionSpec, cross_spec: AttentionSpec | None,
+                 use_flash: bool, device: torch.device):
+        self.block_size = block_size
+        self.self_spec = self_spec
+        self.cross_spec = cross_spec
+        self.use_flash = use_flash
+        self.device = device
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def build(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
+        starts = np.array([c.start_pos for c in chunks], dtype=np.int64)
+        ends = np.cumsum(lens)
+        first = ends - lens
+        input_ids = _flat([c.token_ids for c in chunks])
+        positions = np.repeat(starts - first, lens) + np.arange(int(ends[-1]))
+        layout = StepLayout(lens, starts, first, positions,
+                            _tables([c.block_table for c in chunks]), self.block_size)
+        meta = build_metadata(layout, self.self_spec, self.use_flash, self._tensor)
+        if self.cross_spec is not None:
+            self._add_encoder_inputs(chunks, layout, meta)
+        sample_index = np.array([e - 1 for c, e in zip(chunks, ends) if c.sampling is not None],
+                                dtype=np.int64)
+        return StepInputs(self._tensor(input_ids), self._tensor(positions), meta,
+                          self._tensor(sample_index))
+
+    def _add_encoder_inputs(self, chunks: list[ScheduledChunk], layout: StepLayout,
+                            meta: AttentionMetadata) -> None:
+        cross_tables = _tables([c.cross_block_table for c in chunks])
+        encoder_lens = np.array([c.encoder_len for c in chunks], dtype=np.int64)
+        cross = StepLayout(layout.lens, np.zeros_like(layout.starts), layout.first,
+                           layout.positions, cross_tables, self.block_size, kv_lens=encoder_lens)
+        meta.cross = build_metadata(cross, self.cross_spec, self.use_flash, self._tensor)
+        encoding = [i for i, c in enumerate(chunks) if c.encoder_token_ids is not None]
+        if not encoding:
+            return
+        lens = encoder_lens[encoding]
+        width = int(lens.max())
+        valid = np.arange(width)[None, :] < lens[:, None]
+        ids = np.zeros(valid.shape, dtype=np.int64)
+        ids[valid] = _flat([chunks[i].encoder_token_ids for i in encoding])
+        positions = np.concatenate([np.arange(n) for n in lens])
+        rows = write_locations(cross_tables[encoding], lens, positions, self.block_size,
+                               self.cross_spec.num_kv_heads, self.use_flash)
+        meta.encoder = EncoderBatch(self._tensor(ids), self._tensor(valid), self._tensor(rows))
+
+
+def _flat(lists: list[list[int]]) -> np.ndarray:
+    return np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64,
+                       count=sum(len(x) for x in lists))
+
+
+def _tables(tables: list[list[int]]) -> np.ndarray:
+    """Block tables as one zero-padded [B, max_blocks] array."""
+    lens = np.array([len(t) for t in tables], dtype=np.int64)
+    out = np.zeros((len(tables), max(int(lens.max()), 1)), dtype=np.int64)
+    out[np.arange(out.shape[1])[None, :] < lens[:, None]] = _flat(tables)
+    return out
