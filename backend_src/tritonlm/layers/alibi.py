@@ -6,22 +6,23 @@ from torch import nn
 
 
 def bloom_slopes(num_heads: int) -> torch.Tensor:
-    """Press et al.'s geometric slopes; head counts that are not powers of two interleave the next ones."""
+    """Press et al.'s geometric slopes; a head count that is not a power of two takes the rest from
+    every other slope of the next power of two."""
     closest = 2 ** math.floor(math.log2(num_heads))
     base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
-    slopes = base ** torch.arange(1, closest + 1, dtype=torch.float32)
+    slopes = base ** torch.arange(1, closest + 1, dtype=torch.float32, device="cpu")
     if closest != num_heads:
         extra_base = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
         extra = min(closest, num_heads - closest)
         slopes = torch.cat([slopes, extra_base ** torch.arange(1, 1 + 2 * extra, 2,
-                                                               dtype=torch.float32)])
+                                                               dtype=torch.float32, device="cpu")])
     return slopes
 
 
 def mpt_slopes(num_heads: int, alibi_bias_max: float = 8.0) -> torch.Tensor:
     """MPT's slopes: 1 / 2^(max * i / n) over the next power of two, odd heads first if trimmed."""
     padded = 2 ** math.ceil(math.log2(num_heads))
-    slopes = 1.0 / torch.pow(2, torch.arange(1, padded + 1, dtype=torch.float32)
+    slopes = 1.0 / torch.pow(2, torch.arange(1, padded + 1, dtype=torch.float32, device="cpu")
                              * (alibi_bias_max / padded))
     if padded != num_heads:
         slopes = torch.cat([slopes[1::2], slopes[::2]])[:num_heads]
@@ -31,8 +32,9 @@ def mpt_slopes(num_heads: int, alibi_bias_max: float = 8.0) -> torch.Tensor:
 class ALiBi(nn.Module):
     def __init__(self, slopes: torch.Tensor):
         super().__init__()
-        with torch.device("cpu"):  # real values even when the model is built on the meta device
-            self.register_buffer("slopes", slopes.to("cpu", torch.float32), persistent=False)
+        # The slope functions build on the CPU, so the values are real even when the model is
+        # built on the meta device.
+        self.register_buffer("slopes", slopes.float(), persistent=False)
 
     def forward(self, distance: torch.Tensor) -> torch.Tensor:
         """distance: [..., L] key minus query position -> biases [..., H, L]."""
