@@ -8,7 +8,6 @@ from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCa
 
 from family_check import assert_matches_transformers, save_tiny
 from tritonlm import LLM
-from tritonlm.engine import llm_engine
 from tritonlm.layers.attention_metadata import AttentionSpec, StepLayout, build_metadata
 from tritonlm.layers.rotary import step_lengths
 from tritonlm_convert.convert import convert
@@ -68,13 +67,10 @@ def test_variant_matches_transformers(tmp_path, smollm2_tokenizer, variant):
     assert_matches_transformers(tmp_path, with_random_norms(model_class), config, smollm2_tokenizer)
 
 
-def test_dynamic_ntk_rope_matches_transformers(tmp_path, smollm2_tokenizer, monkeypatch):
-    # The engine and the converter cap contexts at max_position_embeddings, where dynamic NTK has
-    # not begun to scale; serve past it as registry.context_limit should for rope_type dynamic.
-    monkeypatch.setattr(llm_engine, "context_limit",
-                        lambda config: 4 * config.max_position_embeddings)
+def test_dynamic_ntk_rope_matches_transformers(tmp_path, smollm2_tokenizer):
+    # Served up to max_position_embeddings * factor = 128: dynamic NTK exists to go past 32.
     config = tiny_config(LlamaConfig, smollm2_tokenizer, max_position_embeddings=32,
-                         rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+                         rope_scaling={"rope_type": "dynamic", "factor": 4.0})
     # transformers keeps grown frequencies from one generate call to the next unless a prompt is
     # shorter than max_position_embeddings; alternating short prompts with long ones longer than
     # the previous request grew makes each reference equal a fresh model's. The short ones cross
@@ -82,8 +78,10 @@ def test_dynamic_ntk_rope_matches_transformers(tmp_path, smollm2_tokenizer, monk
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, config.vocab_size, (n,), generator=g).tolist()
                for n in (40, 20, 56, 10)]
-    assert_matches_transformers(tmp_path, LlamaForCausalLM, config, smollm2_tokenizer,
-                                prompts=prompts, max_model_len=128)
+    llm, _, _ = assert_matches_transformers(tmp_path, LlamaForCausalLM, config, smollm2_tokenizer,
+                                            prompts=prompts)
+    assert llm.engine.max_model_len == 128
+    assert not llm.engine.block_manager.enable_prefix_caching  # keys depend on the length
 
 
 def test_qwen2_mixed_windows_are_refused(tmp_path, smollm2_tokenizer):

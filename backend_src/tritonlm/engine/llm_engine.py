@@ -22,7 +22,7 @@ from tritonlm.engine.stats import (EngineObserver, FinishedRequest, RateLimitedW
 from tritonlm.engine.step_plan import SampledToken
 from tritonlm.errors import InvalidRequestError
 from tritonlm.models.loader import load_config
-from tritonlm.models.registry import context_limit
+from tritonlm.models.registry import context_limit, kv_depends_only_on_prefix
 from tritonlm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -67,13 +67,12 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_model_len, context_limit(self.hf_config))
         self.config.max_model_len = self.max_model_len
         self.runner = ModelRunner(self.config, self.hf_config, weights_dir)
-        # Encoder-decoder: the prompt is encoded and the decoder starts from this one token. Its
-        # KV depends on the encoder output, so equal decoder prefixes are not reusable.
+        # Encoder-decoder: the prompt is encoded and the decoder starts from this one token.
         self._decoder_start = ([self.hf_config.decoder_start_token_id]
                                if self.hf_config.is_encoder_decoder else None)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching
-                                          and self._decoder_start is None)
+                                          and kv_depends_only_on_prefix(self.hf_config))
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens,
                                    self._eos_token_ids(weights_dir))

@@ -33,7 +33,7 @@ def checkpoint_plan(model: nn.Module, found: Shapes) -> dict[str, list[str]]:
     packed = getattr(model, "packed_modules", {})
     plan, missing, wrong = {}, [], []
     for name, param in model.state_dict().items():
-        sources = _checkpoint_names(name, packed)
+        sources = [_saved_name(s, found) for s in _checkpoint_names(name, packed)]
         absent = [s for s in sources if s not in found]
         missing += absent
         if not absent and not _fits(tuple(param.shape), [found[s] for s in sources]):
@@ -75,6 +75,13 @@ def _fits(shape: tuple[int, ...], parts: list[tuple[int, ...]]) -> bool:
         return parts[0] == shape
     return (all(p[1:] == shape[1:] for p in parts)
             and sum(p[0] for p in parts) == shape[0])
+
+
+def _saved_name(name: str, found: Shapes) -> str:
+    """Checkpoints saved from the base model (OPT's `decoder.*` for `model.decoder.*`) lack the
+    top-level prefix of the causal-LM wrapper."""
+    base = name.partition(".")[2]
+    return base if name not in found and base in found else name
 
 
 def _checkpoint_names(name: str, packed: dict[str, tuple[str, ...]]) -> list[str]:

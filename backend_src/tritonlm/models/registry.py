@@ -38,10 +38,24 @@ def model_class(config) -> type[nn.Module]:
                      f"supported: {', '.join(supported_architectures())}")
 
 
+def _rope_parameters(config) -> dict:
+    return getattr(config, "rope_parameters", None) or {}
+
+
 def context_limit(config) -> int:
-    """The longest context the model's position scheme was trained for."""
+    """The longest context the model's position scheme serves: what it was trained for, times
+    the factor of dynamic NTK scaling, which exists to go past it."""
     for name in _CONTEXT_FIELDS:
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
-            return value
+            rope = _rope_parameters(config)
+            return int(value * rope["factor"]) if rope.get("rope_type") == "dynamic" else value
     return UNBOUNDED_CONTEXT_DEFAULT
+
+
+def kv_depends_only_on_prefix(config) -> bool:
+    """Whether a block's K/V is fixed by the tokens before it, so prefix caching is exact: not
+    with an encoder's output behind it, nor with dynamic NTK, whose frequencies follow the
+    sequence's current length."""
+    return (not getattr(config, "is_encoder_decoder", False)
+            and _rope_parameters(config).get("rope_type") != "dynamic")
