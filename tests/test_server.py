@@ -33,14 +33,14 @@ def grpc_inputs(prompt, sampling: dict, stream: bool, **flags):
     return inputs
 
 
-def grpc_stream(url, prompt, sampling, stream=True, **flags):
+def grpc_stream(url, prompt, sampling, stream=True, model="llm", **flags):
     """All responses of one request over tritonclient's gRPC stream: (results, error)."""
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     flags = {"return_token_ids": True, "return_finish_reason": True,
              "return_num_input_tokens": True, "return_num_output_tokens": True, **flags}
-    client.async_stream_infer("llm", grpc_inputs(prompt, sampling, stream, **flags),
+    client.async_stream_infer(model, grpc_inputs(prompt, sampling, stream, **flags),
                               enable_empty_final_response=True)
     results = []
     while True:
