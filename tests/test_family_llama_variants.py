@@ -6,11 +6,9 @@ import torch
 from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM,
                           MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
-from family_check import assert_matches_transformers, save_tiny
-from tritonlm import LLM
+from family_check import assert_matches_transformers
 from tritonlm.layers.attention_metadata import AttentionSpec, StepLayout, build_metadata
 from tritonlm.layers.rotary import step_lengths
-from tritonlm_convert.convert import convert
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15)
@@ -84,14 +82,13 @@ def test_dynamic_ntk_rope_matches_transformers(tmp_path, smollm2_tokenizer):
     assert not llm.engine.block_manager.enable_prefix_caching  # keys depend on the length
 
 
-def test_qwen2_mixed_windows_are_refused(tmp_path, smollm2_tokenizer):
-    """Sliding layers past max_window_layers and full ones before: one window per model today."""
-    config = tiny_config(Qwen2Config, smollm2_tokenizer, use_sliding_window=True,
-                         sliding_window=7, max_window_layers=1)
-    save_tiny(tmp_path / "hf", Qwen2ForCausalLM, config, smollm2_tokenizer)
-    model_dir = convert(str(tmp_path / "hf"), tmp_path / "repo", dtype="float32")
-    with pytest.raises(ValueError, match="window"):
-        LLM(str(model_dir), block_size=8)
+def test_qwen2_mixed_windows_match_transformers(tmp_path, smollm2_tokenizer):
+    """Full attention before max_window_layers, sliding after: each layer gets its own masks."""
+    config = tiny_config(Qwen2Config, smollm2_tokenizer, num_hidden_layers=3,
+                         use_sliding_window=True, sliding_window=7, max_window_layers=1)
+    assert config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    assert_matches_transformers(tmp_path, with_random_norms(Qwen2ForCausalLM), config,
+                                smollm2_tokenizer)
 
 
 @pytest.mark.parametrize("use_flash", [False, True], ids=["torch-metadata", "flash-metadata"])

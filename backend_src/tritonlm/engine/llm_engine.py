@@ -123,7 +123,9 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
                 "it must be shorter to leave room for a new token")
-        if self.block_manager.blocks_for(len(token_ids) + 1) > self.block_manager.num_blocks:
+        blocks = self.block_manager.blocks_for
+        needed = blocks(len(token_ids)) + 1 if self._decoder_start else blocks(len(token_ids) + 1)
+        if needed > self.block_manager.num_blocks:
             raise InvalidRequestError(f"prompt of {len(token_ids)} tokens does not fit the KV cache")
         return Request(request_id, token_ids, params, text, self._bad_words_ids(params.bad_words))
 

@@ -1,13 +1,14 @@
 """Owns the model, the KV cache and every tensor: turns a StepPlan into sampled tokens."""
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from tritonlm.config import EngineConfig
+from tritonlm.engine.step_inputs import StepInputBuilder
 from tritonlm.engine.step_plan import SampledToken, StepPlan
 from tritonlm.layers.attention import PagedAttention, cache_block_shape, flash_attention_usable
-from tritonlm.engine.step_inputs import StepInputBuilder
 from tritonlm.layers.attention_metadata import AttentionSpec
 from tritonlm.layers.sampler import SamplingTensors, sample
 from tritonlm.layers.token_counts import TokenCounts
@@ -36,8 +37,8 @@ class ModelRunner:
                                   for layer in self.attention_layers))  # flash knows only ALiBi
         self.num_blocks = self._allocate_kv_cache()
         self.inputs = StepInputBuilder(
-            self.block_size, _attention_spec([a for a in self.attention_layers if a.causal]),
-            _attention_spec([a for a in self.attention_layers if not a.causal]),
+            self.block_size, _attention_specs([a for a in self.attention_layers if a.causal]),
+            _attention_specs([a for a in self.attention_layers if not a.causal]),
             self.use_flash, self.device)
         self.token_counts = TokenCounts(hf_config.vocab_size, self.device)
 
@@ -111,14 +112,14 @@ class ModelRunner:
         return tensors
 
 
-def _attention_spec(layers: list[PagedAttention]) -> AttentionSpec | None:
-    if not layers:
-        return None
-    specs = {AttentionSpec(layer.num_kv_heads, layer.sliding_window,
-                           layer.position_bias is not None, layer.causal) for layer in layers}
-    if len(specs) > 1:  # one metadata serves every layer
-        raise ValueError(f"attention layers differ in kv heads, window or position bias: {specs}")
-    return specs.pop()
+def _attention_specs(layers: list[PagedAttention]) -> list[AttentionSpec]:
+    """The distinct specs of `layers`; they may differ only in their sliding window."""
+    specs = list(dict.fromkeys(
+        AttentionSpec(layer.num_kv_heads, layer.sliding_window, layer.position_bias is not None,
+                      layer.causal) for layer in layers))
+    if len({dataclasses.replace(spec, sliding_window=None) for spec in specs}) > 1:
+        raise ValueError(f"attention layers differ in kv heads or position bias: {specs}")
+    return specs
 
 
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty",

@@ -19,11 +19,12 @@ class StepInputs:
 
 
 class StepInputBuilder:
-    def __init__(self, block_size: int, self_spec: AttentionSpec, cross_spec: AttentionSpec | None,
-                 use_flash: bool, device: torch.device):
+    def __init__(self, block_size: int, self_specs: list[AttentionSpec],
+                 cross_specs: list[AttentionSpec], use_flash: bool, device: torch.device):
         self.block_size = block_size
-        self.self_spec = self_spec
-        self.cross_spec = cross_spec
+        # Layers with another sliding window (Qwen2's, Gemma 2's mixes) get masks of their own.
+        self.self_spec, *self.window_specs = self_specs
+        self.cross_spec = cross_specs[0] if cross_specs else None
         self.use_flash = use_flash
         self.device = device
 
@@ -40,6 +41,9 @@ class StepInputBuilder:
         layout = StepLayout(lens, starts, first, positions,
                             _tables([c.block_table for c in chunks]), self.block_size)
         meta = build_metadata(layout, self.self_spec, self.use_flash, self._tensor)
+        meta.by_window = {spec.sliding_window: build_metadata(layout, spec, self.use_flash,
+                                                             self._tensor)
+                          for spec in self.window_specs}
         if self.cross_spec is not None:
             self._add_encoder_inputs(chunks, layout, meta)
         sample_index = np.array([e - 1 for c, e in zip(chunks, ends) if c.sampling is not None],

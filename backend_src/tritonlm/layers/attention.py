@@ -60,7 +60,7 @@ class PagedAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k and v: [T, Hkv, D] for this step's tokens; returns [T, Hq, D]."""
         self.write(k, v, meta.slot_mapping if self.use_flash else meta.write_rows)
-        return self.attend(q, meta)
+        return self.attend(q, meta.by_window.get(self.sliding_window, meta))
 
     def write(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
         """Store K/V [N, Hkv, D] at cache rows (flash: slots) [N * Hkv] (flash: [N])."""

@@ -1,6 +1,6 @@
 """Per-step attention inputs, built once with numpy and shared by every layer."""
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,6 +40,8 @@ class AttentionMetadata:
     # Encoder-decoder models: the decoder's view of the encoder output, and what to encode.
     cross: "AttentionMetadata | None" = None
     encoder: EncoderBatch | None = None
+    # The same step for layers with another sliding window, by window.
+    by_window: "dict[int | None, AttentionMetadata]" = field(default_factory=dict)
 
 
 @dataclass
