@@ -40,6 +40,16 @@ class LLM:
         self.engine = LLMEngine(model, **engine_overrides)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (they also exit when this process does)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[CompletionOutput]:
         """Generate for a prompt or a list of prompts (text or token-id lists), in input order."""

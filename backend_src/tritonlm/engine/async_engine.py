@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from tritonlm.engine.llm_engine import LLMEngine, Request
 from tritonlm.engine.request_state import RequestOutput
-from tritonlm.errors import InvalidRequestError
+from tritonlm.errors import EngineFatalError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class AsyncEngine:
             self._thread.join(timeout)
         if self._sender.is_alive():
             self._sender.join(timeout)
+        self.engine.shutdown()
 
     def _loop(self) -> None:
         try:
@@ -118,6 +119,8 @@ class AsyncEngine:
                 self._abort(request_id)
             try:
                 outputs = self.engine.step()
+            except EngineFatalError:
+                raise
             except Exception as exc:  # a failed step fails its requests, not the server
                 failures += 1
                 if failures >= MAX_CONSECUTIVE_STEP_FAILURES:

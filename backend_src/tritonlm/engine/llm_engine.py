@@ -1,4 +1,5 @@
 """The step loop: the scheduler picks sequences, the model runner runs them, the outputs go back."""
+import dataclasses
 import itertools
 import json
 import logging
@@ -13,7 +14,8 @@ from transformers import AutoTokenizer
 from tritonlm.config import WEIGHTS_DIR, EngineConfig
 from tritonlm.engine.block_manager import BlockManager
 from tritonlm.engine.detokenizer import IncrementalDetokenizer
-from tritonlm.engine.model_runner import ModelRunner
+from tritonlm.distributed.ranks import RankGroup
+from tritonlm.engine.model_runner import ModelRunner, resolve_device
 from tritonlm.engine.request_state import RequestOutput, RequestState
 from tritonlm.engine.scheduler import Scheduler
 from tritonlm.engine.sequence import FinishReason, Sequence
@@ -57,16 +59,22 @@ class LLMEngine:
         model_dir = resolve_model_dir(model_dir)
         weights_dir = model_dir / WEIGHTS_DIR
         self.config = EngineConfig.load(model_dir, **overrides)
-        if self.config.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size {self.config.tensor_parallel_size} is not "
-                             "supported yet; convert with one rank")
         self.hf_config = load_config(weights_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(weights_dir)
         # Requests are tokenized on Triton's threads; the engine thread decodes with its own copy.
         self._decoder = Tokenizer.from_str(self.tokenizer.backend_tokenizer.to_str())
         self.max_model_len = min(self.config.max_model_len, context_limit(self.hf_config))
         self.config.max_model_len = self.max_model_len
-        self.runner = ModelRunner(self.config, self.hf_config, weights_dir)
+        self.ranks = None
+        if self.config.tensor_parallel_size > 1:
+            self.ranks = RankGroup(model_dir, self.config.tensor_parallel_size,
+                                   dataclasses.asdict(self.config),
+                                   resolve_device(self.config.device))
+        try:
+            self.runner = ModelRunner(self.config, self.hf_config, weights_dir, self.ranks)
+        except Exception:
+            self.shutdown()
+            raise
         # Encoder-decoder: the prompt is encoded and the decoder starts from this one token.
         self._decoder_start = ([self.hf_config.decoder_start_token_id]
                                if self.hf_config.is_encoder_decoder else None)
@@ -187,6 +195,12 @@ class LLMEngine:
         """Count a request that failed outside the step loop ("invalid", "cancelled", ...)."""
         for observer in self.observers:
             observer.on_request_error(kind)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any."""
+        if self.ranks is not None:
+            self.ranks.shutdown()
+            self.ranks = None
 
     @property
     def has_unfinished(self) -> bool:

@@ -5,32 +5,44 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tritonlm.config import EngineConfig
+from tritonlm.config import WEIGHTS_DIR, EngineConfig
+from tritonlm.distributed import parallel_state
+from tritonlm.distributed.ranks import RankGroup, join_process_group
 from tritonlm.engine.step_inputs import StepInputBuilder
 from tritonlm.engine.step_plan import SampledToken, StepPlan
 from tritonlm.layers.attention import PagedAttention, cache_block_shape, flash_attention_usable
 from tritonlm.layers.attention_metadata import AttentionSpec
 from tritonlm.layers.sampler import SamplingTensors, sample
 from tritonlm.layers.token_counts import TokenCounts
-from tritonlm.models.loader import load_model
+from tritonlm.errors import EngineFatalError
+from tritonlm.models.loader import load_config, load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int = 0) -> torch.device:
+    """The device of tensor-parallel `rank`: one GPU per rank unless an index is given."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    return torch.device("cuda", rank) if device.type == "cuda" and device.index is None else device
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config, weights_dir: Path):
+    """Runs steps on this rank. Rank 0 (the driver) sends each plan to the other ranks first and
+    samples after; the others run the model forward only."""
+
+    def __init__(self, config: EngineConfig, hf_config, weights_dir: Path,
+                 ranks: RankGroup | None = None):
+        tp = parallel_state.current()
         self.config = config
-        self.device = resolve_device(config.device)
+        self.ranks = ranks
+        self.is_driver = tp.rank == 0
+        self.device = resolve_device(config.device, tp.rank)
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.block_size
         self.model = load_model(weights_dir, hf_config, self.dtype, self.device,
-                                config.max_model_len)
+                                config.max_model_len, tp.rank)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.use_flash = (flash_attention_usable(self.device, self.dtype, self.block_size)
                           and all(layer.position_bias is None or hasattr(layer.position_bias, "slopes")
@@ -62,18 +74,28 @@ class ModelRunner:
             layer.use_flash = self.use_flash
         return num_blocks
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> dict[int, SampledToken]:
         """Run one step; returns seq_id -> sampled token for the chunks that sample."""
-        self.token_counts.release(plan.finished_seq_ids)
-        self.token_counts.record(plan.chunks)
+        if self.ranks is None:
+            return self._execute(plan)
+        self.ranks.broadcast_plan(plan)
+        try:
+            return self._execute(plan)
+        except Exception as exc:  # the ranks' collectives are out of step: nothing can go on
+            raise EngineFatalError(f"a tensor-parallel step failed: {exc}") from exc
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> dict[int, SampledToken]:
+        if self.is_driver:
+            self.token_counts.release(plan.finished_seq_ids)
+            self.token_counts.record(plan.chunks)
         if plan.block_copies:  # copy on write of shared blocks, before this step writes them
             source, target = (torch.tensor(i, device=self.device) for i in zip(*plan.block_copies))
             self.kv_cache[:, :, target] = self.kv_cache[:, :, source]
         inputs = self.inputs.build(plan.chunks)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         sampling_chunks = [c for c in plan.chunks if c.sampling is not None]
-        if not sampling_chunks:
+        if not sampling_chunks or not self.is_driver:
             return {}
         logits = self.model.compute_logits(hidden[inputs.sample_index])
         out = sample(logits, self._sampling_tensors(sampling_chunks))
@@ -110,6 +132,16 @@ class ModelRunner:
             tensors.seen, tensors.output_counts = self.token_counts.history(
                 [c.seq_id for c in chunks])
         return tensors
+
+
+def load_runner(model_dir: str, rank: int, world_size: int, init_method: str,
+                **settings) -> ModelRunner:
+    """Rank `rank`'s runner for a model version directory, joined with the other ranks;
+    `settings` are rank 0's effective engine settings."""
+    config = EngineConfig.load(model_dir, **settings)
+    join_process_group(rank, world_size, init_method, resolve_device(config.device, rank))
+    weights_dir = Path(model_dir) / WEIGHTS_DIR
+    return ModelRunner(config, load_config(weights_dir), weights_dir)
 
 
 def _attention_specs(layers: list[PagedAttention]) -> list[AttentionSpec]:

@@ -1,0 +1,113 @@
+"""Tensor-parallel linear layers (Megatron style). Each is built for the current rank
+(distributed.parallel_state) and knows which slice of the full weight it holds, so the converter
+and the loader shard checkpoints with the layer's own `shard_index` and no per-model code.
+
+- Column-parallel: output features split; each rank computes its own slice (no communication).
+- Row-parallel: input features split; partial outputs are summed over ranks, then the (replicated)
+  bias is added once.
+"""
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tritonlm.distributed import parallel_state
+
+
+def even_split(size: int, rank: int, world_size: int) -> np.ndarray:
+    if size % world_size:
+        raise ValueError(f"{size} features do not split evenly over {world_size} ranks")
+    part = size // world_size
+    return np.arange(rank * part, (rank + 1) * part)
+
+
+def local_head_range(num_heads: int, rank: int, world_size: int) -> range:
+    """The query heads a rank computes; the head count must divide evenly."""
+    if num_heads % world_size:
+        raise ValueError(f"tensor parallel size {world_size} must divide the {num_heads} heads")
+    part = num_heads // world_size
+    return range(rank * part, (rank + 1) * part)
+
+
+def local_kv_heads(num_heads: int, num_kv_heads: int, rank: int, world_size: int) -> list[int]:
+    """The kv heads a rank's query heads use: a slice, or one replicated head when the ranks
+    outnumber the kv heads (multi-query and grouped-query models)."""
+    heads = local_head_range(num_heads, rank, world_size)
+    per_kv = num_heads // num_kv_heads
+    return list(dict.fromkeys(h // per_kv for h in heads))
+
+
+class _ShardedLinear(nn.Linear):
+    """A Linear holding `shard_index` of the full weight's features along `shard_dim`."""
+    shard_dim = 0
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, index: np.ndarray):
+        self.shard_index = index
+        local = len(index)
+        if self.shard_dim == 0:
+            super().__init__(in_features, local, bias=bias)
+        else:
+            super().__init__(local, out_features, bias=bias)
+
+    def shard(self, leaf: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full `weight` or `bias` tensor."""
+        dim = self.shard_dim if leaf == "weight" else 0
+        if leaf == "bias" and self.shard_dim == 1:
+            return full  # row-parallel bias: replicated, added once after the reduction
+        return full.index_select(dim, torch.from_numpy(self.shard_index))
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """Output features split evenly, or as the concatenation of evenly split `segments`
+    (fused gate/up projections)."""
+
+    def __init__(self, in_features: int, out_features: int | list[int], bias: bool):
+        tp = parallel_state.current()
+        segments = out_features if isinstance(out_features, list) else [out_features]
+        offsets = np.cumsum([0] + segments[:-1])
+        index = np.concatenate([offset + even_split(size, tp.rank, tp.world_size)
+                                for offset, size in zip(offsets, segments)])
+        super().__init__(in_features, sum(segments), bias, index)
+
+
+class QKVParallelLinear(_ShardedLinear):
+    """Fused q/k/v projection split by heads. Layouts: `grouped=False` is [q heads | k heads |
+    v heads]; `grouped=True` is per kv group [q heads of the group, k, v] (GPT-NeoX and BLOOM
+    with one query per group, Falcon 40B). The local weight keeps the same layout."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 bias: bool, grouped: bool = False):
+        tp = parallel_state.current()
+        q_heads = list(local_head_range(num_heads, tp.rank, tp.world_size))
+        kv_heads = local_kv_heads(num_heads, num_kv_heads, tp.rank, tp.world_size)
+        self.num_heads, self.num_kv_heads, self.head_dim = len(q_heads), len(kv_heads), head_dim
+        per_kv = num_heads // num_kv_heads
+        if grouped:  # rows of kv group g: its per_kv query heads, then k, then v
+            stride = per_kv + 2
+            heads = [row for g in kv_heads for row in
+                     [g * stride + h % per_kv for h in q_heads if h // per_kv == g]
+                     + [g * stride + per_kv, g * stride + per_kv + 1]]
+        else:
+            heads = (q_heads + [num_heads + g for g in kv_heads]
+                     + [num_heads + num_kv_heads + g for g in kv_heads])
+        index = (np.array(heads)[:, None] * head_dim + np.arange(head_dim)).reshape(-1)
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, index)
+
+    @property
+    def output_sizes(self) -> list[int]:
+        """Local [q, k, v] widths, for splitting the ungrouped layout."""
+        return [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+
+
+class RowParallelLinear(_ShardedLinear):
+    """Input features split evenly; outputs summed over ranks, then the bias added once."""
+    shard_dim = 1
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        tp = parallel_state.current()
+        super().__init__(in_features, out_features, bias,
+                         even_split(in_features, tp.rank, tp.world_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = parallel_state.all_reduce(F.linear(x, self.weight))
+        return out + self.bias if self.bias is not None else out
