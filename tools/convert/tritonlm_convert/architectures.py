@@ -6,7 +6,8 @@ that plan and writes exactly those tensors. GGUF files name tensors llama.cpp's 
 """
 from dataclasses import dataclass, field
 
-from tritonlm.models.loader import build_model, checkpoint_plan
+from tritonlm.distributed.parallel_state import as_rank
+from tritonlm.models.loader import Shard, build_model, checkpoint_plan, shard_plan
 from tritonlm.models.registry import MODELS, supported_architectures
 from transformers import PretrainedConfig
 
@@ -60,11 +61,16 @@ def lookup_gguf(gguf_arch: str) -> GGUFLayout:
     return GGUF_LAYOUTS[gguf_arch]
 
 
-def select_tensors(config: PretrainedConfig, found: Shapes) -> Shapes:
-    """The tensors the engine reads, in the source's order, after checking them against its plan."""
+def select_tensors(config: PretrainedConfig, found: Shapes, tp: int = 1) -> list[dict[str, Shard]]:
+    """Per tensor-parallel rank, the tensors the engine reads (in the source's order) and how
+    that rank's slice is cut from each, after checking the source against the engine's plan."""
     try:
         plan = checkpoint_plan(build_model(config), found)
+        ranks = []
+        for rank in range(tp):
+            with as_rank(rank, tp):
+                shards = shard_plan(build_model(config), plan, found)
+            ranks.append({name: shards[name] for name in found if name in shards})
     except ValueError as e:
         raise ConversionError(str(e)) from None
-    used = {name for sources in plan.values() for name in sources}
-    return {name: shape for name, shape in found.items() if name in used}
+    return ranks

@@ -23,6 +23,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="allow loading pickle (.bin) weights, which can run code")
     parser.add_argument("--chat-template", metavar="FILE",
                         help="a Jinja chat template to serve instead of the model's own")
+    parser.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="shard the weights over N tensor-parallel ranks (default: 1)")
     parser.add_argument("--instance-kind", choices=INSTANCE_KINDS,
                         help="Triton instance kind (default: KIND_GPU when CUDA is available, else KIND_CPU)")
     return parser
@@ -35,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         model_dir = convert(args.src, args.output, name=args.name, dtype=args.dtype,
                             max_model_len=args.max_model_len, trust_pickle=args.trust_pickle,
-                            instance_kind=args.instance_kind, chat_template=args.chat_template)
+                            instance_kind=args.instance_kind, chat_template=args.chat_template,
+                            tp=args.tp)
     except (ConversionError, OSError) as e:
         parser.exit(1, f"{parser.prog}: error: {' '.join(str(e).split())}\n")
     print(f"wrote {model_dir}")

@@ -77,17 +77,22 @@ def load_chat_template(tokenizer, path: str | Path) -> str:
 
 def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto",
             max_model_len: int | None = None, trust_pickle: bool = False,
-            instance_kind: str | None = None, chat_template: str | Path | None = None) -> Path:
+            instance_kind: str | None = None, chat_template: str | Path | None = None,
+            tp: int = 1) -> Path:
     """Convert SRC into the Triton model directory OUTPUT/NAME and return its path."""
     if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*", name):
         raise ConversionError(f"model name {name!r} must be a plain directory name")
-    kind = instance_kind or ("KIND_GPU" if torch.cuda.is_available() else "KIND_CPU")
-    if kind not in INSTANCE_KINDS:
+    if tp < 1:
+        raise ConversionError(f"--tp must be at least 1, got {tp}")
+    # Several ranks: the model's instance spans devices, placed by the engine (one GPU per rank).
+    kind = "KIND_MODEL" if tp > 1 else instance_kind or (
+        "KIND_GPU" if torch.cuda.is_available() else "KIND_CPU")
+    if kind not in (*INSTANCE_KINDS, "KIND_MODEL"):
         raise ConversionError(f"instance kind must be one of {', '.join(INSTANCE_KINDS)}, got {kind!r}")
     source = open_source(src, trust_pickle)
     dtype = resolve_dtype(dtype, source.stored_dtype)
     resolved = resolve_config(source.raw_config)
-    shapes = select_tensors(resolved, source.tensor_shapes())
+    shards = select_tensors(resolved, source.tensor_shapes(), tp)
     config = canonical_config(resolved, dtype)
     tokenizer = source.tokenizer()
     if chat_template is not None:
@@ -95,7 +100,7 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
     if len(tokenizer) > config["vocab_size"]:
         raise ConversionError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's "
                               f"vocab_size {config['vocab_size']}")
-    engine = EngineConfig(dtype=dtype, max_model_len=resolve_max_model_len(max_model_len,
+    engine = EngineConfig(dtype=dtype, tensor_parallel_size=tp, max_model_len=resolve_max_model_len(max_model_len,
                                                                            context_limit(resolved)))
     parameters = {
         "architecture": config["architectures"][0],
@@ -105,5 +110,5 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
         "quantization": "none",  # GGUF weights are dequantized
     }
     model_dir = Path(output) / name
-    write_model(model_dir, source, tokenizer, config, shapes, engine, render_config_pbtxt(name, kind, parameters))
+    write_model(model_dir, source, tokenizer, config, shards, engine, render_config_pbtxt(name, kind, parameters))
     return model_dir

@@ -8,14 +8,13 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 from tritonlm.config import WEIGHTS_DIR, EngineConfig
+from tritonlm.models.loader import Shard, cut_shard
 
-from .architectures import Shapes
 from .errors import ConversionError
 from .safetensors_writer import write_safetensors
 from .sources import Source
 
 VERSION = "1"
-WEIGHTS_FILE = "rank0.safetensors"
 MODEL_PY = ('"""Triton Python-backend entry point of a tritonlm model."""\n'
             "from tritonlm.triton.adapter import TritonPythonModel  # noqa: F401\n")
 
@@ -55,8 +54,20 @@ def _swap_in(staged: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _write_rank(path: Path, source: Source, shards: dict[str, Shard], dtype: torch.dtype) -> None:
+    """One rank's file: its slice of each tensor, read from the source one tensor at a time."""
+    shapes = source.tensor_shapes()
+    local = {}
+    for name, shard in shards.items():
+        shape = list(shapes[name])
+        if shard is not None:
+            shape[shard[0]] = len(shard[1])
+        local[name] = tuple(shape)
+    write_safetensors(path, local, dtype, lambda name: cut_shard(source.load(name), shards[name]))
+
+
 def write_model(model_dir: Path, source: Source, tokenizer: PreTrainedTokenizerBase, config: dict,
-                shapes: Shapes, engine: EngineConfig, config_pbtxt: str) -> None:
+                ranks: list[dict[str, Shard]], engine: EngineConfig, config_pbtxt: str) -> None:
     """Write REPO/NAME, building version 1 in a hidden staging directory and swapping it in when complete."""
     model_dir.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f".{VERSION}.staging-", dir=model_dir))
@@ -67,7 +78,8 @@ def write_model(model_dir: Path, source: Source, tokenizer: PreTrainedTokenizerB
         save_tokenizer(tokenizer, weights)
         _write_json(weights / "config.json", config)
         _write_json(weights / "generation_config.json", source.generation_config())
-        write_safetensors(weights / WEIGHTS_FILE, shapes, getattr(torch, engine.dtype), source.load)
+        for rank, shards in enumerate(ranks):
+            _write_rank(weights / f"rank{rank}.safetensors", source, shards, getattr(torch, engine.dtype))
         engine.save(staged)
         (staged / "model.py").write_text(MODEL_PY)
         _swap_in(staged, model_dir / VERSION)
