@@ -52,22 +52,6 @@ def smollm2_llm(smollm2_repo):
     return LLM(str(smollm2_repo))
 
 
-def make_tiny_llama(directory: Path, tokenizer, **overrides):
-    """A random-weight Llama saved as a Hugging Face checkpoint; returns the HF model."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tokenizer),
-                  max_position_embeddings=512, initializer_range=0.1,
-                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    config.update(overrides)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**config)).eval()
-    model.save_pretrained(directory, safe_serialization=True)
-    tokenizer.save_pretrained(directory)
-    return model
-
-
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy continuation, ignoring EOS."""
     import torch

@@ -1,5 +1,6 @@
-"""The wrapper of families that keep their decoder under `transformer` (Falcon, BLOOM, MPT):
-the output projection is its own `lm_head`, or the input embedding when the config ties them."""
+"""The causal-LM wrapper of every decoder-only family. Subclasses name the checkpoint's modules:
+the decoder (`model`, `transformer`, `gpt_neox`), its token embedding inside it, and the output
+head (`lm_head`, NeoX's `embed_out`), which is the embedding itself when the config ties them."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -7,19 +8,32 @@ from torch import nn
 from tritonlm.layers.attention_metadata import AttentionMetadata
 
 
-class TransformerCausalLM(nn.Module):
-    """`transformer` must have `input_embeddings()` returning its token embedding."""
+class CausalLM(nn.Module):
+    decoder_class: type[nn.Module]  # built as decoder_class(config, max_positions)
+    decoder_name = "model"
+    embedding_name = "embed_tokens"  # a path inside the decoder
+    head_name = "lm_head"
 
-    def __init__(self, config, transformer: nn.Module):
+    def __init__(self, config, max_positions: int):
         super().__init__()
-        self.transformer = transformer
-        self.tie_word_embeddings = config.tie_word_embeddings
+        setattr(self, self.decoder_name, self.decoder_class(config, max_positions))
+        self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            embedding = self.input_embeddings()  # the head maps back to the embedding's space
+            setattr(self, self.head_name, nn.Linear(embedding.embedding_dim,
+                                                    embedding.num_embeddings, bias=False))
+
+    @property
+    def decoder(self) -> nn.Module:
+        return getattr(self, self.decoder_name)
+
+    def input_embeddings(self) -> nn.Embedding:
+        return self.decoder.get_submodule(self.embedding_name)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        return self.transformer(input_ids, positions, meta)
+        return self.decoder(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.transformer.input_embeddings() if self.tie_word_embeddings else self.lm_head
+        tied = self.tie_word_embeddings
+        head = self.input_embeddings() if tied else getattr(self, self.head_name)
         return F.linear(hidden, head.weight)

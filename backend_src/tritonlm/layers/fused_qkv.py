@@ -1,7 +1,13 @@
-"""Fused query/key/value projections laid out head by head, as GPT-NeoX and GPT-BigCode store them."""
+"""Fused query/key/value projections laid out kv group by kv group, each group holding its
+queries, then its key, then its value: [groups, queries_per_group + 2, head_dim].
+
+Every fused layout the families store is this one: per head (groups = heads: GPT-NeoX, BLOOM,
+multi-head GPT-BigCode, Falcon RW), multi-query (one group: Falcon 7B, GPT-BigCode) and Falcon
+40B's grouped kv heads."""
 import torch
 
 
-def split_per_head_qkv(qkv: torch.Tensor, num_heads: int, head_dim: int):
-    """[T, H * 3D] ordered (q_h, k_h, v_h) for each head h -> q, k, v, each [T, H, D]."""
-    return qkv.view(-1, num_heads, 3 * head_dim).split(head_dim, dim=-1)
+def split_grouped_qkv(qkv: torch.Tensor, num_groups: int, head_dim: int):
+    """[T, groups * (per_group + 2) * D] -> q [T, groups * per_group, D], k, v [T, groups, D]."""
+    grouped = qkv.view(qkv.shape[0], num_groups, -1, head_dim)
+    return grouped[:, :, :-2].flatten(1, 2), grouped[:, :, -2], grouped[:, :, -1]

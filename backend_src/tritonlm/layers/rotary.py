@@ -9,6 +9,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tritonlm.layers.attention_metadata import AttentionMetadata
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # a step's per-token cos and sin, [T, 1, rotary_dim]
+
 
 def _rope_parameters(config) -> dict:
     return getattr(config, "rope_parameters", None) or {}
@@ -50,7 +52,7 @@ def step_lengths(positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tens
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) rotary embedding over the first `rotary_dim` features of a head."""
+    """The cos and sin `apply_rotary` turns the first `rotary_dim` features of each head by."""
 
     def __init__(self, config, rotary_dim: int, max_positions: int):
         super().__init__()
@@ -68,12 +70,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, meta: AttentionMetadata | None = None,
-                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token cos and sin [T, 1, rotary_dim] for this step; dynamic NTK needs `meta`."""
+    def cos_sin(self, positions: torch.Tensor, meta: AttentionMetadata, dtype: torch.dtype) -> Rope:
+        """This step's per-token cos and sin, computed once for every layer; dynamic NTK reads
+        each token's sequence length from `meta`."""
         if self.dynamic:
-            if meta is None:
-                raise ValueError("dynamic rope needs the step's attention metadata")
             freqs = positions[:, None].float() * self._dynamic_inverse_frequencies(
                 step_lengths(positions, meta))
             emb = torch.cat((freqs, freqs), dim=-1)
@@ -97,9 +97,3 @@ class RotaryEmbedding(nn.Module):
                             - (self.factor - 1)) ** (dim / (dim - 2))
         exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=lengths.device).float() / dim
         return 1.0 / (base[:, None] ** exponents[None, :])
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                meta: AttentionMetadata | None = None):
-        """q: [T, Hq, D], k: [T, Hkv, D]; returns both rotated."""
-        cos, sin = self.cos_sin(positions, meta, q.dtype)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

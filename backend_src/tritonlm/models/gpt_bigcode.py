@@ -4,31 +4,26 @@ from torch import nn
 
 from tritonlm.layers.attention import PagedAttention
 from tritonlm.layers.attention_metadata import AttentionMetadata
-from tritonlm.layers.fused_qkv import split_per_head_qkv
+from tritonlm.layers.causal_lm_head import CausalLM
+from tritonlm.layers.fused_qkv import split_grouped_qkv
 from tritonlm.layers.mlp import MLP
 
 
 class GPTBigCodeAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        hidden = config.hidden_size
-        self.multi_query = config.multi_query
-        self.num_heads = config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
-        num_kv_heads = 1 if self.multi_query else self.num_heads
-        self.c_attn = nn.Linear(hidden, hidden + 2 * num_kv_heads * self.head_dim)
+        hidden, num_heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = hidden // num_heads
+        # c_attn holds all queries then the one key and value (multi-query), or (q, k, v) head by
+        # head: the grouped layout with one group or a group per head.
+        self.num_kv_heads = 1 if config.multi_query else num_heads
+        self.c_attn = nn.Linear(hidden, hidden + 2 * self.num_kv_heads * self.head_dim)
         self.c_proj = nn.Linear(hidden, hidden)
         scale = self.head_dim ** -0.5 if config.scale_attn_weights else 1.0
-        self.attn = PagedAttention(self.num_heads, num_kv_heads, self.head_dim, scale)
+        self.attn = PagedAttention(num_heads, self.num_kv_heads, self.head_dim, scale)
 
     def forward(self, x, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.c_attn(x)
-        if self.multi_query:  # all query heads, then the one shared key and value
-            q, k, v = qkv.split([self.num_heads * self.head_dim, self.head_dim, self.head_dim], dim=-1)
-            q = q.view(-1, self.num_heads, self.head_dim)
-            k, v = k.unsqueeze(1), v.unsqueeze(1)
-        else:
-            q, k, v = split_per_head_qkv(qkv, self.num_heads, self.head_dim)
+        q, k, v = split_grouped_qkv(self.c_attn(x), self.num_kv_heads, self.head_dim)
         return self.c_proj(self.attn(q, k, v, meta).flatten(1))
 
 
@@ -48,7 +43,7 @@ class GPTBigCodeBlock(nn.Module):
 
 
 class GPTBigCodeModel(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, max_positions: int):
         super().__init__()
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
@@ -62,20 +57,8 @@ class GPTBigCodeModel(nn.Module):
         return self.ln_f(x)
 
 
-class GPTBigCodeForCausalLM(nn.Module):
+class GPTBigCodeForCausalLM(CausalLM):
+    decoder_class = GPTBigCodeModel
+    decoder_name, embedding_name = "transformer", "wte"
     # The causal-mask buffers some exports saved alongside the weights.
     ignored_checkpoint_tensors = r"transformer\.bias|transformer\.h\.\d+\.attn\.(bias|masked_bias)"
-
-    def __init__(self, config, max_positions: int):
-        super().__init__()
-        self.transformer = GPTBigCodeModel(config)
-        self.tie_word_embeddings = config.tie_word_embeddings
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        return self.transformer(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.transformer.wte.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)

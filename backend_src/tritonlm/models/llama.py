@@ -5,11 +5,10 @@ from torch import nn
 
 from tritonlm.layers.attention import PagedAttention
 from tritonlm.layers.attention_metadata import AttentionMetadata
+from tritonlm.layers.causal_lm_head import CausalLM
 from tritonlm.layers.mlp import GatedMLP
 from tritonlm.layers.norm import RMSNorm
-from tritonlm.layers.rotary import RotaryEmbedding, apply_rotary
-
-Rope = tuple[torch.Tensor, torch.Tensor]  # this step's per-token cos and sin
+from tritonlm.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 
 
 def head_dim(config) -> int:
@@ -77,23 +76,9 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     decoder_class = LlamaModel
     # Fused projections, loaded by concatenating the checkpoint's separate ones.
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                       "gate_up_proj": ("gate_proj", "up_proj")}
     ignored_checkpoint_tensors = r".*rotary_emb\.inv_freq"
-
-    def __init__(self, config, max_positions: int):
-        super().__init__()
-        self.model = self.decoder_class(config, max_positions)
-        self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)

@@ -9,7 +9,7 @@ from torch import nn
 from tritonlm.layers.alibi import ALiBi, mpt_slopes
 from tritonlm.layers.attention import PagedAttention
 from tritonlm.layers.attention_metadata import AttentionMetadata
-from tritonlm.layers.causal_lm_head import TransformerCausalLM
+from tritonlm.layers.causal_lm_head import CausalLM
 from tritonlm.layers.mlp import MLP
 
 # transformers builds the bias with its default, not the config's alibi_bias_max.
@@ -52,15 +52,12 @@ class MptBlock(nn.Module):
 
 
 class MptModel(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, max_positions: int):
         super().__init__()
         alibi = ALiBi(mpt_slopes(config.n_heads, ALIBI_BIAS_MAX))
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
         self.blocks = nn.ModuleList(MptBlock(config, alibi) for _ in range(config.n_layers))
         self.norm_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon, bias=False)
-
-    def input_embeddings(self) -> nn.Embedding:
-        return self.wte
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         x = self.wte(input_ids)
@@ -69,6 +66,6 @@ class MptModel(nn.Module):
         return self.norm_f(x)
 
 
-class MptForCausalLM(TransformerCausalLM):
-    def __init__(self, config, max_positions: int):
-        super().__init__(config, MptModel(config))
+class MptForCausalLM(CausalLM):
+    decoder_class = MptModel
+    decoder_name, embedding_name = "transformer", "wte"

@@ -5,6 +5,7 @@ from torch import nn
 from tritonlm.layers.activation import activation
 from tritonlm.layers.attention import PagedAttention
 from tritonlm.layers.attention_metadata import AttentionMetadata
+from tritonlm.layers.causal_lm_head import CausalLM
 
 # OPT's position table keeps two leading rows unused: position p is row p + 2.
 POSITION_OFFSET = 2
@@ -75,19 +76,18 @@ class OPTDecoder(nn.Module):
         return x if self.project_out is None else self.project_out(x)
 
 
-class OPTForCausalLM(nn.Module):
-    packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+class OPTModel(nn.Module):
+    """HF's `model.decoder` nesting."""
 
     def __init__(self, config, max_positions: int):
         super().__init__()
-        self.model = nn.ModuleDict({"decoder": OPTDecoder(config)})  # HF's model.decoder nesting
-        self.tie_word_embeddings = config.tie_word_embeddings
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
+        self.decoder = OPTDecoder(config)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model["decoder"](input_ids, positions, meta)
+        return self.decoder(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model["decoder"].embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)
+
+class OPTForCausalLM(CausalLM):
+    decoder_class = OPTModel
+    embedding_name = "decoder.embed_tokens"
+    packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
