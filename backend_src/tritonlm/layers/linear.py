@@ -49,12 +49,16 @@ class _ShardedLinear(nn.Linear):
         else:
             super().__init__(local, out_features, bias=bias)
 
-    def shard(self, leaf: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the full `weight` or `bias` tensor."""
-        dim = self.shard_dim if leaf == "weight" else 0
+    def shard_parts(self, leaf: str, part_sizes: list[int]) -> list[tuple[int, np.ndarray] | None]:
+        """How to cut this rank's slice from each checkpoint part (concatenated along dim 0) of
+        the full `weight` or `bias`: (dim, indices), or None to take a part whole."""
         if leaf == "bias" and self.shard_dim == 1:
-            return full  # row-parallel bias: replicated, added once after the reduction
-        return full.index_select(dim, torch.from_numpy(self.shard_index))
+            return [None] * len(part_sizes)  # replicated, added once after the reduction
+        if self.shard_dim == 1:
+            return [(1, self.shard_index)] * len(part_sizes)
+        offsets = np.cumsum([0] + part_sizes)
+        return [(0, self.shard_index[(self.shard_index >= start) & (self.shard_index < end)] - start)
+                for start, end in zip(offsets[:-1], offsets[1:])]
 
 
 class ColumnParallelLinear(_ShardedLinear):

@@ -7,6 +7,7 @@ concatenated along the output dimension. The same plan validates a checkpoint at
 import re
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -42,13 +43,39 @@ def checkpoint_plan(model: nn.Module, found: Shapes) -> dict[str, list[str]]:
         plan[name] = sources
     used = {s for sources in plan.values() for s in sources}
     ignored = re.compile(getattr(model, "ignored_checkpoint_tensors", r"$^"))
-    tied_copy = "lm_head.weight" if "lm_head.weight" not in plan else None
+    head = f"{getattr(model, 'head_name', 'lm_head')}.weight"
+    tied_copy = head if head not in plan else None
     unexpected = [k for k in found if k not in used and k != tied_copy and not ignored.fullmatch(k)]
     for problem, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
         if names:
             more = f" and {len(names) - 3} more" if len(names) > 3 else ""
             raise ValueError(f"{problem} tensors: {', '.join(names[:3])}{more}")
     return plan
+
+
+Shard = tuple[int, np.ndarray] | None  # (dim, indices) of a checkpoint tensor, or None: whole
+
+
+def shard_plan(model: nn.Module, plan: dict[str, list[str]], found: Shapes) -> dict[str, Shard]:
+    """For a model built as one tensor-parallel rank: how that rank's slice of each checkpoint
+    tensor is cut, as its parallel layers say (everything else is replicated)."""
+    shards = {}
+    for name, sources in plan.items():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if hasattr(module, "shard_parts"):
+            parts = module.shard_parts(leaf, [found[s][0] for s in sources])
+        else:
+            parts = [None] * len(sources)
+        shards.update(zip(sources, parts))
+    return shards
+
+
+def cut_shard(tensor: torch.Tensor, shard: Shard) -> torch.Tensor:
+    if shard is None:
+        return tensor
+    dim, index = shard
+    return tensor.index_select(dim, torch.from_numpy(index)).contiguous()
 
 
 def load_model(weights_dir: Path, config, dtype: torch.dtype, device: torch.device,
