@@ -5,6 +5,7 @@ Ranks 1..N-1 run `python -m tritonlm.distributed.worker` (also the `tritonlm-wor
 for ranks on other hosts). Every model instance rendezvouses on a port of its own, so instances
 on one host never collide; MASTER_ADDR / MASTER_PORT, when set, place the rendezvous instead.
 """
+import contextlib
 import json
 import logging
 import os
@@ -76,6 +77,15 @@ class RankGroup:
             self.shutdown()
             raise
 
+    def wait_until_loaded(self) -> None:
+        """Meet every rank once its model is loaded: a rank that failed to load fails this."""
+        self.check_alive()
+        try:
+            dist.barrier()
+        except Exception as exc:
+            raise EngineFatalError(f"a tensor-parallel rank failed to load: {exc}") from exc
+        self.check_alive()
+
     def check_alive(self) -> None:
         for rank, worker in enumerate(self.workers, start=1):
             code = worker.poll()
@@ -92,12 +102,11 @@ class RankGroup:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if dist.is_initialized():
-            try:
-                if all(w.poll() is None for w in self.workers):
+            if all(w.poll() is None for w in self.workers):
+                with contextlib.suppress(Exception):  # best effort: a lost rank cannot listen
                     dist.broadcast_object_list([None], src=0)
-            finally:
-                dist.destroy_process_group()
-                parallel_state.set_rank(0, 1)
+            dist.destroy_process_group()
+            parallel_state.set_rank(0, 1)
         for worker in self.workers:
             try:
                 worker.wait(timeout)

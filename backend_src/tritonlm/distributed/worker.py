@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     from tritonlm.engine.model_runner import load_runner
     runner = load_runner(args.model_dir, rank=args.rank, world_size=args.world_size,
                          init_method=args.init_method, **json.loads(args.overrides))
+    dist.barrier()  # loaded: rank 0 starts serving once every rank is here
     while True:
         message = [None]
         dist.broadcast_object_list(message, src=0)

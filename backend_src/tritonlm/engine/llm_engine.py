@@ -72,6 +72,8 @@ class LLMEngine:
                                    resolve_device(self.config.device))
         try:
             self.runner = ModelRunner(self.config, self.hf_config, weights_dir, self.ranks)
+            if self.ranks is not None:
+                self.ranks.wait_until_loaded()
         except Exception:
             self.shutdown()
             raise
