@@ -4,6 +4,9 @@ import math
 import torch
 from torch import nn
 
+from tritonlm.distributed import parallel_state
+from tritonlm.layers.linear import local_head_range
+
 
 def bloom_slopes(num_heads: int) -> torch.Tensor:
     """Press et al.'s geometric slopes; a head count that is not a power of two takes the rest from
@@ -30,11 +33,15 @@ def mpt_slopes(num_heads: int, alibi_bias_max: float = 8.0) -> torch.Tensor:
 
 
 class ALiBi(nn.Module):
+    """Built from the slopes of all heads; keeps those of this tensor-parallel rank's heads."""
+
     def __init__(self, slopes: torch.Tensor):
         super().__init__()
+        tp = parallel_state.current()
+        heads = local_head_range(len(slopes), tp.rank, tp.world_size)
         # The slope functions build on the CPU, so the values are real even when the model is
         # built on the meta device.
-        self.register_buffer("slopes", slopes.float(), persistent=False)
+        self.register_buffer("slopes", slopes[heads.start:heads.stop].float(), persistent=False)
 
     def forward(self, distance: torch.Tensor) -> torch.Tensor:
         """distance: [..., L] key minus query position -> biases [..., H, L]."""

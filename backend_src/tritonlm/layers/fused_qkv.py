@@ -3,7 +3,8 @@ queries, then its key, then its value: [groups, queries_per_group + 2, head_dim]
 
 Every fused layout the families store is this one: per head (groups = heads: GPT-NeoX, BLOOM,
 multi-head GPT-BigCode, Falcon RW), multi-query (one group: Falcon 7B, GPT-BigCode) and Falcon
-40B's grouped kv heads."""
+40B's grouped kv heads. A tensor-parallel rank's slice keeps the layout: its groups, each with
+the rank's queries of that group (QKVParallelLinear(grouped=True))."""
 import torch
 
 

@@ -6,6 +6,7 @@ from tritonlm.layers.attention import PagedAttention
 from tritonlm.layers.attention_metadata import AttentionMetadata
 from tritonlm.layers.causal_lm_head import CausalLM
 from tritonlm.layers.fused_qkv import split_grouped_qkv
+from tritonlm.layers.linear import QKVParallelLinear, RowParallelLinear
 from tritonlm.layers.mlp import MLP
 
 
@@ -16,14 +17,15 @@ class GPTBigCodeAttention(nn.Module):
         self.head_dim = hidden // num_heads
         # c_attn holds all queries then the one key and value (multi-query), or (q, k, v) head by
         # head: the grouped layout with one group or a group per head.
-        self.num_kv_heads = 1 if config.multi_query else num_heads
-        self.c_attn = nn.Linear(hidden, hidden + 2 * self.num_kv_heads * self.head_dim)
-        self.c_proj = nn.Linear(hidden, hidden)
+        self.c_attn = QKVParallelLinear(hidden, num_heads, 1 if config.multi_query else num_heads,
+                                        self.head_dim, bias=True, grouped=True)
+        self.c_proj = RowParallelLinear(hidden, hidden, bias=True)
         scale = self.head_dim ** -0.5 if config.scale_attn_weights else 1.0
-        self.attn = PagedAttention(num_heads, self.num_kv_heads, self.head_dim, scale)
+        self.attn = PagedAttention(self.c_attn.num_heads, self.c_attn.num_kv_heads, self.head_dim,
+                                   scale)
 
     def forward(self, x, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = split_grouped_qkv(self.c_attn(x), self.num_kv_heads, self.head_dim)
+        q, k, v = split_grouped_qkv(self.c_attn(x), self.c_attn.num_kv_heads, self.head_dim)
         return self.c_proj(self.attn(q, k, v, meta).flatten(1))
 
 

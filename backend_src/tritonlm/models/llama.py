@@ -6,6 +6,7 @@ from torch import nn
 from tritonlm.layers.attention import PagedAttention
 from tritonlm.layers.attention_metadata import AttentionMetadata
 from tritonlm.layers.causal_lm_head import CausalLM
+from tritonlm.layers.linear import QKVParallelLinear, RowParallelLinear
 from tritonlm.layers.mlp import GatedMLP
 from tritonlm.layers.norm import RMSNorm
 from tritonlm.layers.rotary import Rope, RotaryEmbedding, apply_rotary
@@ -18,17 +19,18 @@ def head_dim(config) -> int:
 class LlamaAttention(nn.Module):
     def __init__(self, config, sliding_window: int | None, qkv_bias: bool, o_bias: bool):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim(config)
-        self.split = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split), bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.num_attention_heads,
+                                          config.num_key_value_heads, self.head_dim, qkv_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
+                                        config.hidden_size, o_bias)
+        # This tensor-parallel rank's heads.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.head_dim ** -0.5, sliding_window)
 
     def forward(self, rope: Rope, x, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), *rope)
         k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), *rope)
         v = v.view(-1, self.num_kv_heads, self.head_dim)

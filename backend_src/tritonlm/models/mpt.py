@@ -10,6 +10,7 @@ from tritonlm.layers.alibi import ALiBi, mpt_slopes
 from tritonlm.layers.attention import PagedAttention
 from tritonlm.layers.attention_metadata import AttentionMetadata
 from tritonlm.layers.causal_lm_head import CausalLM
+from tritonlm.layers.linear import QKVParallelLinear, RowParallelLinear
 from tritonlm.layers.mlp import MLP
 
 # transformers builds the bias with its default, not the config's alibi_bias_max.
@@ -19,13 +20,14 @@ ALIBI_BIAS_MAX = 8
 class MptAttention(nn.Module):
     def __init__(self, config, alibi: ALiBi):
         super().__init__()
-        hidden, self.num_heads = config.hidden_size, config.n_heads
-        self.head_dim = hidden // self.num_heads
+        hidden, heads = config.hidden_size, config.n_heads
+        self.head_dim = hidden // heads
         self.clip_qkv = config.attn_config.clip_qkv
         scale = config.attn_config.softmax_scale
         scale = self.head_dim ** -0.5 if scale is None else scale
-        self.Wqkv = nn.Linear(hidden, 3 * hidden, bias=False)
-        self.out_proj = nn.Linear(hidden, hidden, bias=False)
+        self.Wqkv = QKVParallelLinear(hidden, heads, heads, self.head_dim, bias=False)
+        self.out_proj = RowParallelLinear(hidden, hidden, bias=False)
+        self.num_heads = self.Wqkv.num_heads  # this tensor-parallel rank's
         self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, scale,
                                    position_bias=alibi)
 

@@ -6,6 +6,7 @@ from tritonlm.layers.activation import activation
 from tritonlm.layers.attention import PagedAttention
 from tritonlm.layers.attention_metadata import AttentionMetadata
 from tritonlm.layers.causal_lm_head import CausalLM
+from tritonlm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 # OPT's position table keeps two leading rows unused: position p is row p + 2.
 POSITION_OFFSET = 2
@@ -14,11 +15,11 @@ POSITION_OFFSET = 2
 class OPTAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
-        self.qkv_proj = nn.Linear(hidden, 3 * hidden, bias=config.enable_bias)
-        self.out_proj = nn.Linear(hidden, hidden, bias=config.enable_bias)
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = hidden // heads
+        self.qkv_proj = QKVParallelLinear(hidden, heads, heads, self.head_dim, config.enable_bias)
+        self.out_proj = RowParallelLinear(hidden, hidden, config.enable_bias)
+        self.num_heads = self.qkv_proj.num_heads  # this tensor-parallel rank's
         self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, self.head_dim ** -0.5)
 
     def forward(self, x, meta: AttentionMetadata) -> torch.Tensor:
@@ -33,8 +34,8 @@ class OPTDecoderLayer(nn.Module):
         self.do_layer_norm_before = config.do_layer_norm_before
         self.self_attn = OPTAttention(config)
         self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
-        self.fc1 = nn.Linear(hidden, config.ffn_dim, bias=config.enable_bias)
-        self.fc2 = nn.Linear(config.ffn_dim, hidden, bias=config.enable_bias)
+        self.fc1 = ColumnParallelLinear(hidden, config.ffn_dim, config.enable_bias)
+        self.fc2 = RowParallelLinear(config.ffn_dim, hidden, config.enable_bias)
         self.act = activation(config.activation_function)
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
 

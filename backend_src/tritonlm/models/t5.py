@@ -1,15 +1,36 @@
 """T5 / FLAN-T5: an encoder run once per request, and a decoder whose self-attention uses the paged
-cache and whose cross-attention reads the encoder's K/V, written once into the request's cross blocks."""
+cache and whose cross-attention reads the encoder's K/V, written once into the request's cross blocks.
+Tensor-parallel by heads, the relative position biases included."""
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tritonlm.distributed import parallel_state
 from tritonlm.layers.attention import PagedAttention
 from tritonlm.layers.attention_metadata import AttentionMetadata
+from tritonlm.layers.linear import ColumnParallelLinear, RowParallelLinear, local_head_range
 from tritonlm.layers.mlp import MLP, GatedMLP
 from tritonlm.layers.norm import RMSNorm
+
+
+def local_heads(config) -> range:
+    tp = parallel_state.current()
+    return local_head_range(config.num_heads, tp.rank, tp.world_size)
+
+
+class RelativeAttentionBias(nn.Embedding):
+    """Each relative position bucket's bias for every head, [buckets, heads]: a rank holds the
+    columns of its own heads."""
+
+    def __init__(self, config):
+        self.head_index = np.array(local_heads(config))
+        super().__init__(config.relative_attention_num_buckets, len(self.head_index))
+
+    def shard_parts(self, leaf: str, part_sizes: list[int]) -> list[tuple[int, np.ndarray]]:
+        return [(1, self.head_index)]
 
 
 class T5Attention(nn.Module):
@@ -18,17 +39,17 @@ class T5Attention(nn.Module):
 
     def __init__(self, config, has_relative_bias: bool, bidirectional: bool):
         super().__init__()
-        self.num_heads, self.head_dim = config.num_heads, config.d_kv
-        inner = self.num_heads * self.head_dim
-        self.q = nn.Linear(config.d_model, inner, bias=False)
-        self.k = nn.Linear(config.d_model, inner, bias=False)
-        self.v = nn.Linear(config.d_model, inner, bias=False)
-        self.o = nn.Linear(inner, config.d_model, bias=False)
+        self.num_heads, self.head_dim = len(local_heads(config)), config.d_kv
+        inner = config.num_heads * self.head_dim
+        self.q = ColumnParallelLinear(config.d_model, inner, bias=False)
+        self.k = ColumnParallelLinear(config.d_model, inner, bias=False)
+        self.v = ColumnParallelLinear(config.d_model, inner, bias=False)
+        self.o = RowParallelLinear(inner, config.d_model, bias=False)
         self.num_buckets = config.relative_attention_num_buckets
         self.max_distance = config.relative_attention_max_distance
         self.bidirectional = bidirectional
         if has_relative_bias:
-            self.relative_attention_bias = nn.Embedding(self.num_buckets, self.num_heads)
+            self.relative_attention_bias = RelativeAttentionBias(config)
 
     def heads(self, projection: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return projection(x).unflatten(-1, (self.num_heads, self.head_dim))
@@ -100,7 +121,7 @@ class T5DecoderBlock(nn.Module):
             T5Sublayer(config, self_attention, "SelfAttention"),
             T5Sublayer(config, cross_attention, "EncDecAttention"),
             T5Sublayer(config, _feed_forward(config), "DenseReluDense")])
-        heads, dim = config.num_heads, config.d_kv
+        heads, dim = self_attention.num_heads, config.d_kv
         # The bias is a bound method of layer 0's attention: shared, not a submodule of each layer.
         self.self_attn = PagedAttention(heads, heads, dim, 1.0, position_bias=relative_bias
                                         or self_attention.relative_bias, kv_slot=index)
