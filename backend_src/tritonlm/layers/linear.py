@@ -32,6 +32,9 @@ def local_head_range(num_heads: int, rank: int, world_size: int) -> range:
 def local_kv_heads(num_heads: int, num_kv_heads: int, rank: int, world_size: int) -> list[int]:
     """The kv heads a rank's query heads use: a slice, or one replicated head when the ranks
     outnumber the kv heads (multi-query and grouped-query models)."""
+    if num_kv_heads % world_size and world_size % num_kv_heads:
+        raise ValueError(f"tensor parallel size {world_size} must divide the {num_kv_heads} kv "
+                         "heads, or be a multiple of them")
     heads = local_head_range(num_heads, rank, world_size)
     per_kv = num_heads // num_kv_heads
     return list(dict.fromkeys(h // per_kv for h in heads))
@@ -113,5 +116,7 @@ class RowParallelLinear(_ShardedLinear):
                          even_split(in_features, tp.rank, tp.world_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if parallel_state.current().world_size == 1:
+            return F.linear(x, self.weight, self.bias)
         out = parallel_state.all_reduce(F.linear(x, self.weight))
         return out + self.bias if self.bias is not None else out
