@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -83,7 +84,7 @@ class RankGroup:
         try:
             dist.barrier()
         except Exception as exc:
-            raise EngineFatalError(f"a tensor-parallel rank failed to load: {exc}") from exc
+            raise self.failure("a tensor-parallel rank failed to load", exc) from exc
         self.check_alive()
 
     def check_alive(self) -> None:
@@ -92,13 +93,25 @@ class RankGroup:
             if code is not None:
                 raise EngineFatalError(f"tensor-parallel rank {rank} exited with code {code}")
 
+    def failure(self, what: str, exc: Exception, wait: float = 2.0) -> EngineFatalError:
+        """The error for a broken collective, naming the rank that died when one did."""
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                self.check_alive()
+            except EngineFatalError as lost:
+                return lost
+            time.sleep(0.05)
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return EngineFatalError(f"{what}: {first_line}")
+
     def broadcast_plan(self, plan) -> None:
         """Send the step's plan (None: shut down) to every rank."""
         self.check_alive()
         try:
             dist.broadcast_object_list([plan], src=0)
         except Exception as exc:  # a rank that died mid-step breaks the collective
-            raise EngineFatalError(f"tensor-parallel ranks lost: {exc}") from exc
+            raise self.failure("tensor-parallel ranks lost", exc) from exc
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if dist.is_initialized():

@@ -14,7 +14,6 @@ from tritonlm.layers.attention import PagedAttention, cache_block_shape, flash_a
 from tritonlm.layers.attention_metadata import AttentionSpec
 from tritonlm.layers.sampler import SamplingTensors, sample
 from tritonlm.layers.token_counts import TokenCounts
-from tritonlm.errors import EngineFatalError
 from tritonlm.models.loader import load_config, load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,7 +81,7 @@ class ModelRunner:
         try:
             return self._execute(plan)
         except Exception as exc:  # the ranks' collectives are out of step: nothing can go on
-            raise EngineFatalError(f"a tensor-parallel step failed: {exc}") from exc
+            raise self.ranks.failure("a tensor-parallel step failed", exc) from exc
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan) -> dict[int, SampledToken]:
