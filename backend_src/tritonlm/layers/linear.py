@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonlm.distributed import parallel_state
+from tritonlm.layers.quantization import QUANTIZED, QuantizedWeight, rows_of_parts
 
 
 def even_split(size: int, rank: int, world_size: int) -> np.ndarray:
@@ -41,7 +42,8 @@ def local_kv_heads(num_heads: int, num_kv_heads: int, rank: int, world_size: int
 
 
 class _ShardedLinear(nn.Linear):
-    """A Linear holding `shard_index` of the full weight's features along `shard_dim`."""
+    """A Linear holding `shard_index` of the full weight's features along `shard_dim`. The
+    loader may swap its weight for quantized storage (`use_quantized_weight`)."""
     shard_dim = 0
 
     def __init__(self, in_features: int, out_features: int, bias: bool, index: np.ndarray):
@@ -52,6 +54,19 @@ class _ShardedLinear(nn.Linear):
         else:
             super().__init__(local, out_features, bias=bias)
 
+    def use_quantized_weight(self, bits: int, num_groups: int, has_biases: bool) -> None:
+        del self.weight
+        self.add_module(QUANTIZED, QuantizedWeight(
+            self.out_features, self.in_features, bits, num_groups, has_biases,
+            (self.shard_dim, self.shard_index) if parallel_state.current().world_size > 1 else None))
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        quantized = getattr(self, QUANTIZED, None)
+        return self.weight if quantized is None else quantized(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dense_weight(x.dtype), self.bias)
+
     def shard_parts(self, leaf: str, part_sizes: list[int]) -> list[tuple[int, np.ndarray] | None]:
         """How to cut this rank's slice from each checkpoint part (concatenated along dim 0) of
         the full `weight` or `bias`: (dim, indices), or None to take a part whole."""
@@ -59,9 +74,7 @@ class _ShardedLinear(nn.Linear):
             return [None] * len(part_sizes)  # replicated, added once after the reduction
         if self.shard_dim == 1:
             return [(1, self.shard_index)] * len(part_sizes)
-        offsets = np.cumsum([0] + part_sizes)
-        return [(0, self.shard_index[(self.shard_index >= start) & (self.shard_index < end)] - start)
-                for start, end in zip(offsets[:-1], offsets[1:])]
+        return rows_of_parts(self.shard_index, part_sizes)
 
 
 class ColumnParallelLinear(_ShardedLinear):
@@ -117,6 +130,6 @@ class RowParallelLinear(_ShardedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if parallel_state.current().world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = parallel_state.all_reduce(F.linear(x, self.weight))
+            return super().forward(x)
+        out = parallel_state.all_reduce(F.linear(x, self.dense_weight(x.dtype)))
         return out + self.bias if self.bias is not None else out

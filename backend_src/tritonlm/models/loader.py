@@ -13,6 +13,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig
 
+from tritonlm.layers.quantization import QUANTIZED
 from tritonlm.models.registry import context_limit, model_class
 
 Shapes = dict[str, tuple[int, ...]]
@@ -28,20 +29,40 @@ def build_model(config, max_positions: int | None = None) -> nn.Module:
         return model_class(config)(config, max_positions or context_limit(config))
 
 
+def use_quantized_storage(model: nn.Module, found: Shapes) -> None:
+    """Give every parallel linear layer whose checkpoint holds quantized tensors (see
+    layers/quantization.py) quantized storage of the bits and groups it was saved with."""
+    packed = getattr(model, "packed_modules", {})
+    for path, module in list(model.named_modules()):
+        if not hasattr(module, "use_quantized_weight"):
+            continue
+        first = {leaf: _checkpoint_names(f"{path}.{QUANTIZED}.{leaf}", packed)[0]
+                 for leaf in ("qweight", "scales", "biases")}
+        qweight = found.get(first["qweight"])
+        if qweight is not None:
+            bits = 8 if qweight[1] == module.in_features else 4
+            with torch.device("meta"):
+                module.use_quantized_weight(bits, found[first["scales"]][1],
+                                            first["biases"] in found)
+
+
 def checkpoint_plan(model: nn.Module, found: Shapes) -> dict[str, list[str]]:
     """Parameter name -> the checkpoint tensors it is made of; ValueError naming what does not fit.
     Checkpoint tensors the model does not read must be declared ignorable by it."""
     packed = getattr(model, "packed_modules", {})
-    plan, missing, wrong = {}, [], []
+    plan, missing, wrong, shared = {}, [], [], []
     for name, param in model.state_dict().items():
         sources = [_saved_name(s, found) for s in _checkpoint_names(name, packed)]
+        if name.endswith(".g_idx"):  # fused parts share their input columns: read the first
+            shared += sources[1:]
+            sources = sources[:1]
         absent = [s for s in sources if s not in found]
         missing += absent
         if not absent and not _fits(tuple(param.shape), [found[s] for s in sources]):
             wrong.append(f"{'+'.join(sources)} {[found[s] for s in sources]} "
                          f"(expected {tuple(param.shape)})")
         plan[name] = sources
-    used = {s for sources in plan.values() for s in sources}
+    used = {s for sources in plan.values() for s in sources} | set(shared)
     ignored = re.compile(getattr(model, "ignored_checkpoint_tensors", r"$^"))
     head = f"{getattr(model, 'head_name', 'lm_head')}.weight"
     tied_copy = head if head not in plan else None
@@ -86,13 +107,15 @@ def load_model(weights_dir: Path, config, dtype: torch.dtype, device: torch.devi
     with safe_open(weights_dir / f"rank{rank}.safetensors", framework="pt") as f:
         found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
         try:
+            use_quantized_storage(model, found)
             plan = checkpoint_plan(model, found)
         except ValueError as e:
             raise ValueError(f"{weights_dir}: {e}") from None
         for name, sources in plan.items():
             tensor = torch.cat([f.get_tensor(s) for s in sources]) if len(sources) > 1 \
                 else f.get_tensor(sources[0])
-            state[name] = tensor.to(device=device, dtype=dtype)
+            keeps_dtype = not tensor.is_floating_point() or f".{QUANTIZED}." in name
+            state[name] = tensor.to(device=device, dtype=None if keeps_dtype else dtype)
     model.load_state_dict(state, assign=True, strict=True)
     return model.to(device).eval()
 
@@ -112,9 +135,10 @@ def _saved_name(name: str, found: Shapes) -> str:
 
 
 def _checkpoint_names(name: str, packed: dict[str, tuple[str, ...]]) -> list[str]:
-    """The checkpoint tensors a parameter is made of: itself, or the parts of a fused module."""
-    *path, module, leaf = name.split(".")
-    parts = packed.get(module)
-    if parts is None:
-        return [name]
-    return [".".join([*path, part, leaf]) for part in parts]
+    """The checkpoint tensors a parameter is made of: itself, or the parts of a fused module
+    (which may hold the parameter in a submodule, as quantized storage does)."""
+    components = name.split(".")
+    for i, module in enumerate(components[:-1]):
+        if module in packed:
+            return [".".join([*components[:i], part, *components[i + 1:]]) for part in packed[module]]
+    return [name]

@@ -7,7 +7,8 @@ that plan and writes exactly those tensors. GGUF files name tensors llama.cpp's 
 from dataclasses import dataclass, field
 
 from tritonlm.distributed.parallel_state import as_rank
-from tritonlm.models.loader import Shard, build_model, checkpoint_plan, shard_plan
+from tritonlm.models.loader import (Shard, build_model, checkpoint_plan, shard_plan,
+                                    use_quantized_storage)
 from tritonlm.models.registry import MODELS, supported_architectures
 from transformers import PretrainedConfig
 
@@ -65,11 +66,15 @@ def select_tensors(config: PretrainedConfig, found: Shapes, tp: int = 1) -> list
     """Per tensor-parallel rank, the tensors the engine reads (in the source's order) and how
     that rank's slice is cut from each, after checking the source against the engine's plan."""
     try:
-        plan = checkpoint_plan(build_model(config), found)
+        model = build_model(config)
+        use_quantized_storage(model, found)
+        plan = checkpoint_plan(model, found)
         ranks = []
         for rank in range(tp):
             with as_rank(rank, tp):
-                shards = shard_plan(build_model(config), plan, found)
+                model = build_model(config)
+                use_quantized_storage(model, found)
+                shards = shard_plan(model, plan, found)
             ranks.append({name: shards[name] for name in found if name in shards})
     except ValueError as e:
         raise ConversionError(str(e)) from None

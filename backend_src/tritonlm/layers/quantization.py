@@ -1,0 +1,79 @@
+"""Weight-only quantized storage for linear layers: int8 or packed int4 values with per-group
+float scales and optional biases (w = q * scale + bias), and the group of every input column
+(`g_idx`, so act-order GPTQ needs no reordering). A layer dequantizes its own weight for each
+matmul, so the full-precision model never exists in memory.
+
+Layouts (all row-major over output features):
+- `qweight`: int8 [out, in] (8 bits) or uint8 [out, in / 2] (4 bits; column 2j in the low nibble).
+- `scales`, `biases`: float32 [out, groups]; no `biases` means symmetric.
+- `g_idx`: int32 [in], the group of each input column.
+"""
+import numpy as np
+import torch
+from torch import nn
+
+QUANTIZED = "quantized"  # the submodule name under a linear layer that holds its quantized weight
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in] values in 0..15 -> uint8 [out, in / 2]."""
+    values = values.to(torch.uint8)
+    return values[:, 0::2] | (values[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
+               g_idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    values = unpack_int4(qweight) if qweight.dtype == torch.uint8 else qweight
+    groups = g_idx.long()
+    weight = values.to(torch.float32) * scales[:, groups]
+    if biases is not None:
+        weight += biases[:, groups]
+    return weight.to(dtype)
+
+
+class QuantizedWeight(nn.Module):
+    """The quantized weight of one (parallel) linear layer; `shard` is that layer's
+    (dim, indices) of the full weight, so the storage is cut consistently."""
+
+    def __init__(self, out_features: int, in_features: int, bits: int, num_groups: int,
+                 has_biases: bool, shard: tuple[int, np.ndarray] | None):
+        super().__init__()
+        if bits not in (4, 8):
+            raise ValueError(f"quantized weights have 4 or 8 bits, not {bits}")
+        self.shard = shard
+        packed_in = in_features // 2 if bits == 4 else in_features
+        dtype = torch.uint8 if bits == 4 else torch.int8
+        self.qweight = nn.Parameter(torch.empty(out_features, packed_in, dtype=dtype),
+                                    requires_grad=False)
+        self.scales = nn.Parameter(torch.empty(out_features, num_groups), requires_grad=False)
+        self.biases = (nn.Parameter(torch.empty(out_features, num_groups), requires_grad=False)
+                       if has_biases else None)
+        self.g_idx = nn.Parameter(torch.empty(in_features, dtype=torch.int32), requires_grad=False)
+
+    def forward(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.qweight, self.scales, self.biases, self.g_idx, dtype)
+
+    def shard_parts(self, leaf: str, part_sizes: list[int]) -> list[tuple[int, np.ndarray] | None]:
+        """This rank's cut of each checkpoint part (parts of a fused layer stack on dim 0;
+        they share their input columns, so `g_idx` comes from the first part alone)."""
+        if self.shard is None:
+            return [None] * len(part_sizes)
+        dim, index = self.shard
+        if dim == 0:  # output rows: every per-row tensor; g_idx is per input column
+            return [None] if leaf == "g_idx" else rows_of_parts(index, part_sizes)
+        if leaf in ("scales", "biases"):  # input columns: groups keep their global numbering
+            return [None] * len(part_sizes)
+        if leaf == "qweight" and self.qweight.dtype == torch.uint8:
+            return [(1, index[0::2] // 2)] * len(part_sizes)
+        return [(1 if leaf == "qweight" else 0, index)] * len(part_sizes)
+
+
+def rows_of_parts(index: np.ndarray, part_sizes: list[int]) -> list[tuple[int, np.ndarray]]:
+    """Split a layer's row indices over the checkpoint parts stacked on dim 0."""
+    offsets = np.cumsum([0] + part_sizes)
+    return [(0, index[(index >= start) & (index < end)] - start)
+            for start, end in zip(offsets[:-1], offsets[1:])]
