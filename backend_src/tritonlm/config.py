@@ -7,6 +7,7 @@ from pathlib import Path
 ENGINE_FILE = "engine.json"
 WEIGHTS_DIR = "weights"
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model dtype
 
 
 @dataclass
@@ -17,6 +18,7 @@ class EngineConfig:
     # KV blocks to allocate; None sizes the cache from kv_cache_memory.
     num_kv_blocks: int | None = None
     kv_cache_memory: int = 1 << 30
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     tensor_parallel_size: int = 1
@@ -28,6 +30,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
                      "tensor_parallel_size", "kv_cache_memory"):
             if getattr(self, name) < 1:
