@@ -1,0 +1,79 @@
+"""Quality and memory of a converted model: perplexity over a text, computed by the engine's own
+model and paged KV cache (so quantized weights and an int8 cache count), weight bytes and KV blocks.
+
+python -m tritonlm.quality --model REPO/NAME [--text FILE] [--kv-cache-dtype int8] [--window 512]
+"""
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tritonlm.config import WEIGHTS_DIR
+from tritonlm.engine.llm_engine import LLMEngine, resolve_model_dir
+from tritonlm.engine.sequence import Sequence
+from tritonlm.engine.step_plan import ScheduledChunk
+from tritonlm.sampling_params import SamplingParams
+
+
+@torch.inference_mode()
+def perplexity(engine: LLMEngine, token_ids: list[int], window: int) -> float:
+    """exp(mean next-token NLL), over consecutive windows each prefilled into the cache alone."""
+    if engine.config.tensor_parallel_size != 1 or engine.hf_config.is_encoder_decoder:
+        raise ValueError("perplexity is measured on single-rank decoder-only models")
+    runner, blocks = engine.runner, engine.block_manager
+    total, count = 0.0, 0
+    for start in range(0, len(token_ids) - 1, window):
+        tokens = token_ids[start:start + window + 1]
+        seq = Sequence(-1, "quality", tokens, SamplingParams(), 0, len(tokens))
+        blocks.grow(seq, len(tokens))
+        try:
+            chunk = ScheduledChunk(seq.seq_id, tokens, 0, list(seq.block_table), None,
+                                   len(tokens), False)
+            inputs = runner.inputs.build([chunk])
+            hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
+            logits = runner.model.compute_logits(hidden[:-1]).float()
+            targets = inputs.input_ids[1:]
+            total += F.cross_entropy(logits, targets, reduction="sum").item()
+            count += len(tokens) - 1
+        finally:
+            blocks.free(seq)
+    return math.exp(total / count)
+
+
+def weight_bytes(model_dir: str | Path) -> int:
+    weights = resolve_model_dir(model_dir) / WEIGHTS_DIR
+    return sum(p.stat().st_size for p in weights.glob("rank*.safetensors"))
+
+
+def report(model_dir: str, text: str, window: int, **overrides) -> dict:
+    engine = LLMEngine(model_dir, **overrides)
+    try:
+        token_ids = engine.tokenizer.encode(text)
+        return {"model": str(model_dir), "kv_cache_dtype": engine.config.kv_cache_dtype,
+                "dtype": engine.config.dtype, "tokens": len(token_ids),
+                "perplexity": perplexity(engine, token_ids, window),
+                "weight_bytes": weight_bytes(model_dir), "kv_blocks": engine.runner.num_blocks,
+                "kv_cache_memory": engine.config.kv_cache_memory}
+    finally:
+        engine.shutdown()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a converted model directory")
+    parser.add_argument("--text", default=str(Path(__file__).parents[2] / "tests/data/english_text.txt"),
+                        help="the text to score (default: the tests' English text)")
+    parser.add_argument("--window", type=int, default=512, help="tokens per scored window")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"))
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    args = parser.parse_args(argv)
+    result = report(args.model, Path(args.text).read_text(), args.window,
+                    kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

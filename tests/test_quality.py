@@ -1,0 +1,31 @@
+"""Perplexity as the engine computes it (its model and paged cache) equals transformers' own."""
+import math
+from pathlib import Path
+
+import torch
+
+from tritonlm.engine.llm_engine import LLMEngine
+from tritonlm.quality import perplexity
+
+TEXT = (Path(__file__).parent / "data" / "english_text.txt").read_text()
+WINDOW = 256
+
+
+def hf_perplexity(model, token_ids: list[int], window: int) -> float:
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for start in range(0, len(token_ids) - 1, window):
+            ids = torch.tensor([token_ids[start:start + window + 1]])
+            out = model(ids, labels=ids)
+            total += out.loss.item() * (ids.shape[1] - 1)
+            count += ids.shape[1] - 1
+    return math.exp(total / count)
+
+
+def test_smollm2_perplexity_equals_transformers(smollm2_repo, smollm2_hf):
+    engine = LLMEngine(smollm2_repo, num_kv_blocks=64)
+    token_ids = engine.tokenizer.encode(TEXT)
+    ours = perplexity(engine, token_ids, WINDOW)
+    assert len(token_ids) > 3 * WINDOW
+    assert math.isclose(ours, hf_perplexity(smollm2_hf, token_ids, WINDOW), rel_tol=1e-4)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
