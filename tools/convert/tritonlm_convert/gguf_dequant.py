@@ -1,4 +1,5 @@
-"""Vectorized numpy dequantizers for the GGML tensor types found in GGUF files."""
+"""Vectorized numpy dequantizers for the GGML tensor types found in GGUF files, and the
+unpacking of the 32-element block types the engine's quantized storage holds as they are."""
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
@@ -110,14 +111,37 @@ def check_supported(qtype: T, tensor_name: str = "") -> None:
         raise ConversionError(f"unsupported GGUF tensor type {T(qtype).name}{where}; supported: {names}")
 
 
+def _checked_bytes(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> np.ndarray:
+    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+    if raw.size * block_size != int(np.prod(shape)) * block_bytes:
+        raise ConversionError(f"{T(qtype).name} tensor of shape {shape} has {raw.size} bytes")
+    return raw
+
+
+# Block types whose values are w = d * q + bias in groups of 32, like the engine's storage.
+KEPT_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1)
+KEPT_GROUP_SIZE = 32
+
+
+def block_values(raw: np.ndarray, qtype: T, shape: tuple[int, int]
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A Q8_0/Q4_0/Q4_1 matrix [rows, cols] as its values q (int8, or uint8 in 0..15), and per
+    block of 32 columns its scale d and bias [rows, cols / 32] (Q8_0: none), so w = q * d + bias."""
+    rows, cols = shape
+    blocks = _checked_bytes(raw, qtype, shape).view(_BLOCKS[qtype])
+    scales = _f32(blocks["d"]).reshape(rows, cols // KEPT_GROUP_SIZE)
+    if qtype == T.Q8_0:
+        return np.array(blocks["qs"]).reshape(rows, cols), scales, None
+    values = _nibbles(blocks["qs"]).reshape(rows, cols)
+    biases = -8 * scales if qtype == T.Q4_0 else _f32(blocks["m"]).reshape(scales.shape)
+    return values, scales, biases
+
+
 def dequantize(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> np.ndarray:
     """Dequantize the raw bytes of one GGUF tensor into a float32 array of `shape` (row-major)."""
     check_supported(qtype)
-    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
-    count = int(np.prod(shape))
-    block_size, block_bytes = GGML_QUANT_SIZES[qtype]
-    if raw.size * block_size != count * block_bytes:
-        raise ConversionError(f"{T(qtype).name} tensor of shape {shape} has {raw.size} bytes")
+    raw = _checked_bytes(raw, qtype, shape)
     if qtype == T.BF16:
         values = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
     elif qtype in _FLOAT_TYPES:

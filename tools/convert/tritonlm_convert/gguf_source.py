@@ -1,16 +1,19 @@
-"""Reading a GGUF file: Hugging Face config and tensor names from its metadata, dequantized weights."""
+"""Reading a GGUF file: Hugging Face config and tensor names from its metadata, dequantized weights
+or, for the block types the engine's quantized storage holds, the quantized values as they are."""
 import re
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader, Keys
+from gguf import GGMLQuantizationType as T, GGUFReader, Keys
 from transformers import PreTrainedTokenizerFast
+from tritonlm.layers.quantization import pack_int4
 
 from .architectures import Shapes, lookup_gguf
 from .errors import ConversionError
-from .gguf_dequant import check_supported, dequantize
+from .gguf_dequant import KEPT_GROUP_SIZE, KEPT_TYPES, block_values, check_supported, dequantize
 from .gguf_tokenizer import build_tokenizer
+from .quantize import QuantizedSource, Storage, storage_layout
 from .sources import Source
 
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)")
@@ -106,12 +109,46 @@ class GGUFSource(Source):
     def load(self, name: str) -> torch.Tensor:
         """One tensor, dequantized to float32, with llama.cpp's q/k row permutation undone."""
         tensor = self._tensors[name]
-        weight = dequantize(tensor.data, tensor.tensor_type, self._shapes[name])
+        return torch.from_numpy(self._unpermuted(name, dequantize(tensor.data, tensor.tensor_type,
+                                                                  self._shapes[name])))
+
+    def _unpermuted(self, name: str, rows: np.ndarray) -> np.ndarray:
         if self.layout.rope_permuted and ".self_attn.q_proj." in name:
-            weight = unpermute_rope(weight, self.raw_config["num_attention_heads"])
-        elif self.layout.rope_permuted and ".self_attn.k_proj." in name:
-            weight = unpermute_rope(weight, self.raw_config["num_key_value_heads"])
-        return torch.from_numpy(weight)
+            return unpermute_rope(rows, self.raw_config["num_attention_heads"])
+        if self.layout.rope_permuted and ".self_attn.k_proj." in name:
+            return unpermute_rope(rows, self.raw_config["num_key_value_heads"])
+        return rows
+
+    def keeping_quantized(self, layers: list[list[str]]) -> Source:
+        """This file with the linear layers stored in Q8_0, Q4_0 or Q4_1 kept quantized (8 or 4 bits,
+        groups of 32) instead of dequantized. Other types, and fused layers whose parts are not
+        all 8-bit or all 4-bit, are dequantized."""
+        kept = {}
+        for layer in layers:
+            types = [self._tensors[name].tensor_type for name in layer]
+            if all(t in KEPT_TYPES for t in types) and len({t == T.Q8_0 for t in types}) == 1:
+                kept.update(zip(layer, types))
+        if not kept:
+            return self
+        layouts = {}
+        for name, qtype in kept.items():
+            rows, cols = self._shapes[name]
+            layouts[name] = storage_layout(rows, cols, 8 if qtype == T.Q8_0 else 4,
+                                           cols // KEPT_GROUP_SIZE, has_biases=qtype != T.Q8_0)
+        method = "+".join(sorted({T(qtype).name.lower() for qtype in kept.values()}))
+        return QuantizedSource(self, layouts, self._load_kept, f"gguf-{method}")
+
+    def _load_kept(self, name: str) -> Storage:
+        tensor = self._tensors[name]
+        values, scales, biases = block_values(tensor.data, tensor.tensor_type, self._shapes[name])
+        # Rows are permuted whole, so a row's values, scales and biases move together.
+        storage = {leaf: torch.from_numpy(self._unpermuted(name, array)) for leaf, array in
+                   (("qweight", values), ("scales", scales), ("biases", biases)) if array is not None}
+        if tensor.tensor_type != T.Q8_0:
+            storage["qweight"] = pack_int4(storage["qweight"])
+        columns = self._shapes[name][1]
+        storage["g_idx"] = torch.arange(columns, dtype=torch.int32) // KEPT_GROUP_SIZE
+        return storage
 
     def tokenizer(self) -> PreTrainedTokenizerFast:
         """The tokenizer rebuilt from the `tokenizer.*` metadata."""

@@ -55,15 +55,16 @@ def _swap_in(staged: Path, target: Path) -> None:
 
 
 def _write_rank(path: Path, source: Source, shards: dict[str, Shard], dtype: torch.dtype) -> None:
-    """One rank's file: its slice of each tensor, read from the source one tensor at a time."""
+    """One rank's file: its slice of each tensor, read from the source one tensor at a time, in
+    the model dtype unless the source gives the tensor's own (quantized values, their scales)."""
     shapes = source.tensor_shapes()
     local = {}
     for name, shard in shards.items():
         shape = list(shapes[name])
         if shard is not None:
             shape[shard[0]] = len(shard[1])
-        local[name] = tuple(shape)
-    write_safetensors(path, local, dtype, lambda name: cut_shard(source.load(name), shards[name]))
+        local[name] = tuple(shape), source.tensor_dtype(name) or dtype
+    write_safetensors(path, local, lambda name: cut_shard(source.load(name), shards[name]))
 
 
 def write_model(model_dir: Path, source: Source, tokenizer: PreTrainedTokenizerBase, config: dict,

@@ -12,6 +12,7 @@ class Source(ABC):
 
     raw_config: dict  # config.json contents before canonicalization
     stored_dtype: str | None  # the dtype of the stored weights, None when they are quantized
+    quantization = "none"  # how the weights are quantized, as config.pbtxt reports it
 
     @abstractmethod
     def tensor_shapes(self) -> Shapes:
@@ -20,6 +21,10 @@ class Source(ABC):
     @abstractmethod
     def load(self, name: str) -> torch.Tensor:
         """One tensor by Hugging Face name, in the layout Hugging Face models use."""
+
+    def tensor_dtype(self, name: str) -> torch.dtype | None:
+        """The dtype a tensor is written in; None: a float tensor cast to the model dtype."""
+        return None
 
     @abstractmethod
     def tokenizer(self) -> PreTrainedTokenizerBase:

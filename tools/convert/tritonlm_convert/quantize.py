@@ -1,0 +1,142 @@
+"""Weight-only quantization at conversion time: which weights are quantizable, round-to-nearest
+int8 / int4, and the source wrapper that writes each quantized weight as the engine's storage
+(`X.quantized.*`, layers/quantization.py) in place of `X.weight`, one weight at a time."""
+from typing import Callable
+
+import torch
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from tritonlm.layers.quantization import QUANTIZED, pack_int4
+from tritonlm.models.loader import build_model, checkpoint_plan
+
+from .architectures import Shapes
+from .errors import ConversionError
+from .sources import Source
+
+DEFAULT_GROUP_SIZE = 128
+Storage = dict[str, torch.Tensor]  # leaf (qweight, scales, biases, g_idx) -> tensor
+Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]  # leaf -> shape and dtype
+
+
+def is_quantized(shapes: Shapes) -> bool:
+    return any(f".{QUANTIZED}." in name for name in shapes)
+
+
+def quantizable_layers(config: PretrainedConfig, found: Shapes) -> list[list[str]]:
+    """Per layer that can hold quantized storage (the parallel linear layers: not embeddings, norms
+    or the LM head), its checkpoint weights: one, or the parts of a fused layer, which must be
+    quantized alike (same bits, groups and biases) as they are stacked into one storage."""
+    model = build_model(config)
+    try:
+        plan = checkpoint_plan(model, found)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    return [plan[f"{path}.weight"] for path, module in model.named_modules()
+            if hasattr(module, "use_quantized_weight")]
+
+
+def storage_layout(out_features: int, in_features: int, bits: int, num_groups: int,
+                   has_biases: bool) -> Layout:
+    packed_in = in_features // 2 if bits == 4 else in_features
+    layout = {"qweight": ((out_features, packed_in), torch.uint8 if bits == 4 else torch.int8),
+              "scales": ((out_features, num_groups), torch.float32)}
+    if has_biases:
+        layout["biases"] = ((out_features, num_groups), torch.float32)
+    layout["g_idx"] = ((in_features,), torch.int32)
+    return layout
+
+
+def rtn_layout(shape: tuple[int, ...], bits: int, group_size: int) -> Layout:
+    out_features, in_features = shape
+    if bits == 8:
+        return storage_layout(out_features, in_features, 8, 1, has_biases=False)
+    if in_features % 2:
+        raise ConversionError(f"int4 packs two columns a byte and needs an even input width, not {in_features}")
+    return storage_layout(out_features, in_features, 4, -(-in_features // group_size), has_biases=True)
+
+
+def quantize_int8(weight: torch.Tensor) -> Storage:
+    """Symmetric per output channel: q = round(w / s) in -127..127, s = max |w| / 127."""
+    weight = weight.float()
+    scales = weight.abs().amax(dim=1, keepdim=True) / 127
+    q = torch.round(weight / torch.where(scales > 0, scales, 1)).clamp(-127, 127)
+    return {"qweight": q.to(torch.int8), "scales": scales,
+            "g_idx": torch.zeros(weight.shape[1], dtype=torch.int32)}
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> Storage:
+    """Asymmetric per group of `group_size` consecutive input columns (the last group shorter when
+    it does not divide the width): w ~ q * s + min, q in 0..15, s = (max - min) / 15."""
+    weight = weight.float()
+    out_features, in_features = weight.shape
+    g_idx = torch.arange(in_features) // group_size
+    columns = g_idx.expand(out_features, -1)
+    empty = torch.zeros(out_features, int(g_idx[-1]) + 1)
+    low = empty.scatter_reduce(1, columns, weight, "amin", include_self=False)
+    high = empty.scatter_reduce(1, columns, weight, "amax", include_self=False)
+    scales = (high - low) / 15
+    q = torch.round((weight - low[:, g_idx]) / torch.where(scales > 0, scales, 1)[:, g_idx]).clamp(0, 15)
+    return {"qweight": pack_int4(q), "scales": scales, "biases": low, "g_idx": g_idx.to(torch.int32)}
+
+
+def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int) -> Storage:
+    return quantize_int8(weight) if bits == 8 else quantize_int4(weight, group_size)
+
+
+def layout_of(storage: Storage) -> Layout:
+    return {leaf: (tuple(t.shape), t.dtype) for leaf, t in storage.items() if t is not None}
+
+
+class QuantizedSource(Source):
+    """`inner` with each weight named in `layouts` (`X.weight`) replaced by its quantized storage
+    `X.quantized.<leaf>`, which `quantize(weight name)` produces when the weight is written."""
+
+    def __init__(self, inner: Source, layouts: dict[str, Layout], quantize: Callable[[str], Storage],
+                 quantization: str):
+        self.inner, self.quantize, self.quantization = inner, quantize, quantization
+        self.raw_config, self.stored_dtype = inner.raw_config, inner.stored_dtype
+        self._shapes, self._dtypes, self._leaves = {}, {}, {}
+        for name, shape in inner.tensor_shapes().items():
+            if name not in layouts:
+                self._shapes[name] = shape
+                continue
+            base = name.removesuffix(".weight")
+            for leaf, (leaf_shape, dtype) in layouts[name].items():
+                stored = f"{base}.{QUANTIZED}.{leaf}"
+                self._shapes[stored], self._dtypes[stored] = leaf_shape, dtype
+                self._leaves[stored] = name, leaf
+        self._last: tuple[str, Storage] | None = None  # the leaves of a weight are written in a row
+
+    def tensor_shapes(self) -> Shapes:
+        return dict(self._shapes)
+
+    def tensor_dtype(self, name: str) -> torch.dtype | None:
+        return self._dtypes[name] if name in self._dtypes else self.inner.tensor_dtype(name)
+
+    def load(self, name: str) -> torch.Tensor:
+        if name not in self._leaves:
+            return self.inner.load(name)
+        weight, leaf = self._leaves[name]
+        if self._last is None or self._last[0] != weight:
+            self._last = weight, self.quantize(weight)
+        return self._last[1][leaf]
+
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.inner.tokenizer()
+
+    def generation_config(self) -> dict:
+        return self.inner.generation_config()
+
+
+def round_to_nearest(source: Source, weights: list[str], bits: int, group_size: int) -> QuantizedSource:
+    shapes = source.tensor_shapes()
+    layouts = {name: rtn_layout(shapes[name], bits, group_size) for name in weights}
+    return QuantizedSource(source, layouts, lambda name: quantize_rtn(source.load(name), bits, group_size),
+                           f"int{bits}")
+
+
+def precomputed(source: Source, results: dict[str, Storage], bits: int) -> QuantizedSource:
+    """`source` with the weights GPTQ quantized (weight name -> its storage)."""
+    results = {name: {leaf: t for leaf, t in storage.items() if t is not None}
+               for name, storage in results.items()}
+    layouts = {name: layout_of(storage) for name, storage in results.items()}
+    return QuantizedSource(source, layouts, results.__getitem__, f"gptq-int{bits}")
