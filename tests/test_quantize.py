@@ -156,8 +156,6 @@ def test_quantized_model_serves_what_transformers_does_with_its_dequantized_weig
                 assert abs(top["logprob"] - expected[step, top["token_id"]].item()) < 1e-4
 
 
-@pytest.mark.xfail(strict=True, reason="loader.use_quantized_storage reads the bits from the rank's own "
-                   "in_features, which the full row-parallel qweight of a conversion does not match")
 @pytest.mark.parametrize("method", GROUPING)
 def test_two_ranks_generate_what_one_rank_does(quantized, method):
     halves = rank_file(quantized(method, 2), 0), rank_file(quantized(method, 2), 1)

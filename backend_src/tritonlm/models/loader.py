@@ -37,10 +37,10 @@ def use_quantized_storage(model: nn.Module, found: Shapes) -> None:
         if not hasattr(module, "use_quantized_weight"):
             continue
         first = {leaf: _checkpoint_names(f"{path}.{QUANTIZED}.{leaf}", packed)[0]
-                 for leaf in ("qweight", "scales", "biases")}
+                 for leaf in ("qweight", "scales", "biases", "g_idx")}
         qweight = found.get(first["qweight"])
-        if qweight is not None:
-            bits = 8 if qweight[1] == module.in_features else 4
+        if qweight is not None:  # g_idx spans the input columns the file holds, as qweight does
+            bits = 8 if qweight[1] == found[first["g_idx"]][0] else 4
             with torch.device("meta"):
                 module.use_quantized_weight(bits, found[first["scales"]][1],
                                             first["biases"] in found)
