@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 
-QUANTIZED = "quantized"  # the submodule name under a linear layer that holds its quantized weight
+QUANTIZED = "quantized"
+_UNKNOWN = object()  # the submodule name under a linear layer that holds its quantized weight
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
@@ -26,13 +27,32 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
-               g_idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    values = unpack_int4(qweight) if qweight.dtype == torch.uint8 else qweight
+               g_idx: torch.Tensor, dtype: torch.dtype, group_size: int | None = None) -> torch.Tensor:
+    """The float weight. `group_size`, when the groups are consecutive runs of that many columns,
+    lets the scales broadcast over a [out, groups, size] view instead of a per-column gather."""
+    values = (unpack_int4(qweight) if qweight.dtype == torch.uint8 else qweight).to(torch.float32)
+    if group_size is not None:
+        rows, num_groups = scales.shape
+        grouped = values.view(rows, num_groups, group_size)
+        weight = grouped * scales[..., None]
+        if biases is not None:
+            weight += biases[..., None]
+        return weight.view(rows, -1).to(dtype)
     groups = g_idx.long()
-    weight = values.to(torch.float32) * scales[:, groups]
+    weight = values * scales[:, groups]
     if biases is not None:
         weight += biases[:, groups]
     return weight.to(dtype)
+
+
+def uniform_group_size(g_idx: torch.Tensor, num_groups: int) -> int | None:
+    """The size of the groups if they are equal consecutive runs of columns (no act-order)."""
+    columns = g_idx.shape[0]
+    if columns % num_groups:
+        return None
+    size = columns // num_groups
+    expected = torch.arange(columns, device=g_idx.device) // size
+    return size if torch.equal(g_idx.long(), expected) else None
 
 
 class QuantizedWeight(nn.Module):
@@ -53,9 +73,13 @@ class QuantizedWeight(nn.Module):
         self.biases = (nn.Parameter(torch.empty(out_features, num_groups), requires_grad=False)
                        if has_biases else None)
         self.g_idx = nn.Parameter(torch.empty(in_features, dtype=torch.int32), requires_grad=False)
+        self.group_size = _UNKNOWN
 
     def forward(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize(self.qweight, self.scales, self.biases, self.g_idx, dtype)
+        if self.group_size is _UNKNOWN:  # settled once the weights are loaded
+            self.group_size = uniform_group_size(self.g_idx, self.scales.shape[1])
+        return dequantize(self.qweight, self.scales, self.biases, self.g_idx, dtype,
+                          self.group_size)
 
     def shard_parts(self, leaf: str, part_sizes: list[int]) -> list[tuple[int, np.ndarray] | None]:
         """This rank's cut of each checkpoint part (parts of a fused layer stack on dim 0;
