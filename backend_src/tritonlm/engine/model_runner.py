@@ -2,7 +2,6 @@
 import dataclasses
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from tritonlm.config import WEIGHTS_DIR, EngineConfig
@@ -12,6 +11,7 @@ from tritonlm.engine.step_inputs import StepInputBuilder
 from tritonlm.engine.step_plan import SampledToken, StepPlan
 from tritonlm.layers.attention import PagedAttention, cache_block_shape, flash_attention_usable
 from tritonlm.layers.attention_metadata import AttentionSpec
+from tritonlm.layers.kv_cache import KVCache
 from tritonlm.layers.sampler import SamplingTensors, sample
 from tritonlm.layers.token_counts import TokenCounts
 from tritonlm.models.loader import load_config, load_model
@@ -43,7 +43,8 @@ class ModelRunner:
         self.model = load_model(weights_dir, hf_config, self.dtype, self.device,
                                 config.max_model_len, tp.rank)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
-        self.use_flash = (flash_attention_usable(self.device, self.dtype, self.block_size)
+        self.use_flash = (flash_attention_usable(self.device, self.dtype, self.block_size,
+                                                 config.kv_cache_dtype)
                           and all(layer.position_bias is None or hasattr(layer.position_bias, "slopes")
                                   for layer in self.attention_layers))  # flash knows only ALiBi
         self.num_blocks = self._allocate_kv_cache()
@@ -60,16 +61,16 @@ class ModelRunner:
         slots = {}  # kv_slot (or the layer itself) -> index of its cache slice
         for layer in self.attention_layers:
             slots.setdefault(layer if layer.kv_slot is None else layer.kv_slot, len(slots))
-        bytes_per_block = 2 * len(slots) * int(np.prod(block_shape)) * self.dtype.itemsize
+        quantized = self.config.kv_cache_dtype == "int8"
+        bytes_per_block = KVCache.bytes_per_block(len(slots), block_shape, self.dtype, quantized)
         num_blocks = self.config.num_kv_blocks or self.config.kv_cache_memory // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {self.config.kv_cache_memory} holds no "
                              f"{bytes_per_block}-byte block")
-        self.kv_cache = torch.zeros((2, len(slots), num_blocks, *block_shape),
-                                    dtype=self.dtype, device=self.device)
+        self.kv_cache = KVCache(len(slots), num_blocks, block_shape, self.dtype, quantized,
+                                self.device)
         for layer in self.attention_layers:
-            i = slots[layer if layer.kv_slot is None else layer.kv_slot]
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            layer.kv = self.kv_cache.layer(slots[layer if layer.kv_slot is None else layer.kv_slot])
             layer.use_flash = self.use_flash
         return num_blocks
 
@@ -90,7 +91,7 @@ class ModelRunner:
             self.token_counts.record(plan.chunks)
         if plan.block_copies:  # copy on write of shared blocks, before this step writes them
             source, target = (torch.tensor(i, device=self.device) for i in zip(*plan.block_copies))
-            self.kv_cache[:, :, target] = self.kv_cache[:, :, source]
+            self.kv_cache.copy_blocks(source, target)
         inputs = self.inputs.build(plan.chunks)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         sampling_chunks = [c for c in plan.chunks if c.sampling is not None]

@@ -5,12 +5,15 @@ Cache layout per layer, by backend:
   of the [num_blocks * Hkv, block_size, D] view gives each sequence's keys as a contiguous
   [Hkv, L, D] tensor: large copies, and no transpose before the matmuls.
 - flash-attn: [num_blocks, block_size, num_kv_heads, head_dim], its paged layout.
+An int8 cache (layers/kv_cache.py) is dequantized as it is gathered, and holds K/V rotated:
+queries are rotated into its basis and outputs back. flash-attn cannot read it.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tritonlm.layers.attention_metadata import AttentionMetadata
+from tritonlm.layers.kv_cache import LayerKV
 
 try:  # flash-attn is an optional GPU extra
     from flash_attn import flash_attn_varlen_func
@@ -21,9 +24,12 @@ except ImportError:
 FLASH_BLOCK_MULTIPLE = 256
 
 
-def flash_attention_usable(device: torch.device, dtype: torch.dtype, block_size: int) -> bool:
+def flash_attention_usable(device: torch.device, dtype: torch.dtype, block_size: int,
+                           kv_cache_dtype: str) -> bool:
+    """Whether flash-attn can run; an int8 KV cache takes the PyTorch path, which dequantizes."""
     return (flash_attn_varlen_func is not None and device.type == "cuda"
-            and dtype in (torch.float16, torch.bfloat16) and block_size % FLASH_BLOCK_MULTIPLE == 0)
+            and kv_cache_dtype == "auto" and dtype in (torch.float16, torch.bfloat16)
+            and block_size % FLASH_BLOCK_MULTIPLE == 0)
 
 
 def cache_block_shape(block_size: int, num_kv_heads: int, head_dim: int, use_flash: bool):
@@ -53,8 +59,7 @@ class PagedAttention(nn.Module):
         self.kv_slot = kv_slot
         self.use_flash = False
         # Assigned by the model runner once the cache is allocated.
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
+        self.kv = LayerKV(torch.empty(0), torch.empty(0))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -64,20 +69,19 @@ class PagedAttention(nn.Module):
 
     def write(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
         """Store K/V [N, Hkv, D] at cache rows (flash: slots) [N * Hkv] (flash: [N])."""
-        width = self.num_kv_heads * self.head_dim if self.use_flash else self.head_dim
-        for cache, new in ((self.k_cache, k), (self.v_cache, v)):
-            rows_view = cache.view(-1, width)
-            rows_view.index_copy_(0, rows, new.reshape(-1, width).to(rows_view.dtype))
+        self.kv.write(k, v, rows, self.num_kv_heads * self.head_dim if self.use_flash
+                      else self.head_dim)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.use_flash:
             return self._flash(q, meta)
+        q = self.kv.rotate(q)
         out = torch.empty_like(q)
         if meta.decode_token_index is not None:
             out[meta.decode_token_index] = self._decode(q[meta.decode_token_index], meta)
         if meta.prefill_token_index is not None:
             q_rows = q[meta.prefill_token_index]  # [Bp, Qp, Hq, D]
-            keys, values = self._gather(meta.prefill_blocks, q.dtype)
+            keys, values = self.kv.gather(meta.prefill_blocks, q.dtype)
             mask = meta.prefill_mask
             if self.position_bias is not None:  # [Bp, Qp, H, L] -> [Bp, H, Qp, L]
                 bias = self.position_bias(meta.prefill_distance).transpose(1, 2)
@@ -87,20 +91,12 @@ class PagedAttention(nn.Module):
                                                enable_gqa=True).transpose(1, 2)
             valid = meta.prefill_token_valid
             out[meta.prefill_token_index[valid]] = o[valid]
-        return out
-
-    def _gather(self, blocks: torch.Tensor, dtype: torch.dtype):
-        """blocks: [B, Hkv, nb] rows of the [num_blocks * Hkv, bs, D] view -> [B, Hkv, nb*bs, D]."""
-        b, h, nb = blocks.shape
-        bs = self.k_cache.shape[-2]
-        keys = self.k_cache.view(-1, bs, self.head_dim)[blocks].view(b, h, nb * bs, self.head_dim)
-        values = self.v_cache.view(-1, bs, self.head_dim)[blocks].view(b, h, nb * bs, self.head_dim)
-        return keys.to(dtype), values.to(dtype)
+        return self.kv.unrotate(out)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # One query per row: two batched matmuls beat SDPA's CPU kernels (bf16 most of all).
         rows, group = q.shape[0], self.num_heads // self.num_kv_heads
-        keys, values = self._gather(meta.decode_blocks, q.dtype)
+        keys, values = self.kv.gather(meta.decode_blocks, q.dtype)
         q = q.view(rows, self.num_kv_heads, group, self.head_dim)
         # keys @ q^T keeps the large operand untransposed (a transposed one is copied on CPU).
         scores = torch.matmul(keys, q.transpose(-1, -2)).float() * self.scale  # [B, Hkv, L, G]
@@ -114,7 +110,7 @@ class PagedAttention(nn.Module):
 
     def _flash(self, q, meta: AttentionMetadata) -> torch.Tensor:
         return flash_attn_varlen_func(
-            q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k,
+            q, self.kv.key, self.kv.value, meta.cu_seqlens_q, meta.cu_seqlens_k,
             meta.max_seqlen_q, meta.max_seqlen_k, softmax_scale=self.scale, causal=self.causal,
             window_size=(self.sliding_window - 1 if self.sliding_window else -1, 0),
             alibi_slopes=getattr(self.position_bias, "slopes", None), block_table=meta.block_tables)
