@@ -29,3 +29,17 @@ def test_smollm2_perplexity_equals_transformers(smollm2_repo, smollm2_hf):
     assert len(token_ids) > 3 * WINDOW
     assert math.isclose(ours, hf_perplexity(smollm2_hf, token_ids, WINDOW), rel_tol=1e-4)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def _perplexity(model_dir, **overrides) -> float:
+    engine = LLMEngine(model_dir, num_kv_blocks=64, **overrides)
+    return perplexity(engine, engine.tokenizer.encode(TEXT), WINDOW)
+
+
+def test_int8_weights_and_int8_kv_cache_stay_within_one_percent(tmp_path):
+    from conftest import run_convert
+    bf16 = run_convert("default", tmp_path / "bf16", "--dtype", "bfloat16")
+    int8 = run_convert("default", tmp_path / "int8", "--dtype", "bfloat16", "--quantize", "int8")
+    reference = _perplexity(bf16)
+    assert abs(_perplexity(int8) / reference - 1) < 0.01
+    assert abs(_perplexity(bf16, kv_cache_dtype="int8") / reference - 1) < 0.01
