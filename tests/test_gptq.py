@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tritonlm import LLM, SamplingParams
@@ -267,3 +267,15 @@ def test_gptq_rounds_to_nearest_when_inputs_are_uncorrelated(bits):
     torch.testing.assert_close(dequantize(**{"biases": None, **storage}, dtype=torch.float32),
                                round_to_nearest(weight, bits, 32 if bits == 4 else -1),
                                atol=1e-6, rtol=0)
+
+
+def test_fused_parts_quantized_in_different_column_groups_are_refused(tmp_path, smollm2_tokenizer):
+    """q/k/v share their input, so act-order gives them one g_idx; the loader reads q's alone."""
+    write_gptq_checkpoint(tmp_path / "gptq", tiny_llama(smollm2_tokenizer), smollm2_tokenizer,
+                          4, 32, True, "gptq")
+    tensors = load_file(tmp_path / "gptq" / "model.safetensors")
+    name = "model.layers.0.self_attn.k_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, tmp_path / "gptq" / "model.safetensors")
+    with pytest.raises(ConversionError, match="different groups"):
+        convert(str(tmp_path / "gptq"), tmp_path / "repo", dtype="float32")

@@ -46,6 +46,15 @@ def use_quantized_storage(model: nn.Module, found: Shapes) -> None:
                                             first["biases"] in found)
 
 
+def fused_g_idx(model: nn.Module, found: Shapes) -> list[list[str]]:
+    """The g_idx tensors of each fused quantized layer's parts, which must be equal: the loader
+    reads the first part's alone."""
+    packed = getattr(model, "packed_modules", {})
+    groups = ([_saved_name(s, found) for s in _checkpoint_names(name, packed)]
+              for name in model.state_dict() if name.endswith(".g_idx"))
+    return [group for group in groups if len(group) > 1]
+
+
 def checkpoint_plan(model: nn.Module, found: Shapes) -> dict[str, list[str]]:
     """Parameter name -> the checkpoint tensors it is made of; ValueError naming what does not fit.
     Checkpoint tensors the model does not read must be declared ignorable by it."""

@@ -4,11 +4,14 @@ The engine's model registry is the single list of supported architectures, and t
 loading plan decides which checkpoint tensors a model needs; the converter checks a source against
 that plan and writes exactly those tensors. GGUF files name tensors llama.cpp's way, mapped here.
 """
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from tritonlm.distributed.parallel_state import as_rank
-from tritonlm.models.loader import (Shard, build_model, checkpoint_plan, shard_plan,
-                                    use_quantized_storage)
+from tritonlm.models.loader import (Shard, build_model, checkpoint_plan, fused_g_idx,
+                                    shard_plan, use_quantized_storage)
 from tritonlm.models.registry import MODELS, supported_architectures
 from transformers import PretrainedConfig
 
@@ -62,13 +65,19 @@ def lookup_gguf(gguf_arch: str) -> GGUFLayout:
     return GGUF_LAYOUTS[gguf_arch]
 
 
-def select_tensors(config: PretrainedConfig, found: Shapes, tp: int = 1) -> list[dict[str, Shard]]:
+def select_tensors(config: PretrainedConfig, found: Shapes, load: Callable[[str], torch.Tensor],
+                   tp: int = 1) -> list[dict[str, Shard]]:
     """Per tensor-parallel rank, the tensors the engine reads (in the source's order) and how
     that rank's slice is cut from each, after checking the source against the engine's plan."""
     try:
         model = build_model(config)
         use_quantized_storage(model, found)
         plan = checkpoint_plan(model, found)
+        for parts in fused_g_idx(model, found):
+            first = load(parts[0])
+            if not all(torch.equal(first, load(part)) for part in parts[1:]):
+                raise ValueError(f"fused layer parts {', '.join(parts)} quantize their shared "
+                                 "input columns in different groups")
         ranks = []
         for rank in range(tp):
             with as_rank(rank, tp):

@@ -154,7 +154,7 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
     dtype = resolve_dtype(dtype, source.stored_dtype)
     resolved = resolve_config(source.raw_config)
     source = quantize_source(source, resolved, quantize, group_size, calibration, keep_quantized)
-    shards = select_tensors(resolved, source.tensor_shapes(), tp)
+    shards = select_tensors(resolved, source.tensor_shapes(), source.load, tp)
     config = canonical_config(resolved, dtype)
     tokenizer = source.tokenizer()
     if chat_template is not None:
