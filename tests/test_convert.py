@@ -342,3 +342,20 @@ def test_error_exit_has_no_traceback(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 1
     assert result.stderr == f"tritonlm-convert: error: {tmp_path / 'nope'} does not exist\n"
+
+
+def test_kv_cache_memory_sizes_the_cache(tiny, tmp_path, capsys):
+    main([str(tiny[0]), "--output", str(tmp_path / "repo"), "--dtype", "float32",
+          "--kv-cache-memory", "3MiB"])
+    model_dir = tmp_path / "repo" / "llm"
+    assert EngineConfig.load(model_dir / "1").kv_cache_memory == 3 << 20
+    from tritonlm.engine.llm_engine import LLMEngine
+    engine = LLMEngine(model_dir)
+    config = json.loads((weights(model_dir) / "config.json").read_text())
+    # K and V, every layer, kv heads x block_size x head_dim float32 values per block
+    block_bytes = (2 * config["num_hidden_layers"] * config["num_key_value_heads"]
+                   * engine.config.block_size * config["head_dim"] * 4)
+    assert engine.runner.num_blocks == (3 << 20) // block_bytes
+    with pytest.raises(SystemExit):
+        main([str(tiny[0]), "--output", str(tmp_path / "other"), "--kv-cache-memory", "lots"])
+    assert "not a memory size: 'lots'" in capsys.readouterr().err

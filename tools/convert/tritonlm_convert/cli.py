@@ -1,5 +1,6 @@
 """Command line: tritonlm-convert SRC --output REPO [options]."""
 import argparse
+import re
 
 from tritonlm.config import DTYPES, KV_CACHE_DTYPES
 
@@ -42,7 +43,22 @@ def _parser() -> argparse.ArgumentParser:
                                    "instead of dequantizing them; other types are dequantized")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="KV cache dtype; auto: the model dtype, int8: 8-bit quantized (default: auto)")
+    parser.add_argument("--kv-cache-memory", type=memory_size, metavar="SIZE",
+                        help="memory for the KV cache per rank, e.g. 4GiB, 512MiB or bytes (default: 1GiB)")
     return parser
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9,
+          "TB": 10 ** 12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def memory_size(text: str) -> int:
+    """'4GiB', '512MB', '1073741824' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match and _UNITS.get(match[2].upper())
+    if unit is None or float(match[1]) * unit < 1:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (examples: 4GiB, 512MiB, 1000000)")
+    return int(float(match[1]) * unit)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
                             instance_kind=args.instance_kind, chat_template=args.chat_template,
                             tp=args.tp, quantize=args.quantize, group_size=args.group_size,
                             calibration=args.calibration, keep_quantized=args.keep_quantized,
-                            kv_cache_dtype=args.kv_cache_dtype)
+                            kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory)
     except (ConversionError, OSError) as e:
         parser.exit(1, f"{parser.prog}: error: {' '.join(str(e).split())}\n")
     print(f"wrote {model_dir}")
