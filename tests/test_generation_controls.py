@@ -144,3 +144,11 @@ def test_skip_special_tokens(smollm2_llm, smollm2_tokenizer, chat_prompt):
     assert kept.text == smollm2_tokenizer.decode(kept.token_ids, skip_special_tokens=False)
     assert kept.text.endswith(smollm2_tokenizer.eos_token)
     assert skipped.text == smollm2_tokenizer.decode(kept.token_ids, skip_special_tokens=True)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(smollm2_llm):
+    from tritonlm.errors import InvalidRequestError
+    vocab = smollm2_llm.engine.vocab_size
+    with pytest.raises(InvalidRequestError, match=r"stop_token_ids \[%d\] are outside" % vocab):
+        smollm2_llm.engine.make_request("x", [1, 2], SamplingParams(stop_token_ids=[vocab],
+                                                                   min_tokens=1))

@@ -215,3 +215,27 @@ def test_eviction_never_touches_referenced_blocks():
         run_step(sched, token=rng.randint(10, 99))
         check_block_invariants(sched, bm)
     assert sched.prefix_cache_hits > 0 and sched.num_preemptions > 0
+
+
+def test_sequences_finished_before_an_empty_step_reach_the_next_plan():
+    """The runner frees a finished sequence's penalty history when a plan names it; a step with
+    nothing to run must not drop the name."""
+    sched, _ = make_scheduler()
+    seq = make_seq(1, 5)
+    sched.add(seq)
+    run_step(sched)
+    sched.finish(seq, FinishReason.ABORT)
+    assert sched.schedule().is_empty
+    sched.add(make_seq(2, 5))
+    assert sched.schedule().finished_seq_ids == [1]
+
+
+def test_encoder_prompts_count_against_the_token_budget():
+    sched, _ = make_scheduler(num_blocks=64, budget=32)
+    seqs = [Sequence(i, f"r{i}", [0], SamplingParams(max_tokens=4), 0, 5,
+                     encoder_token_ids=list(range(20))) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    first = sched.schedule()
+    assert [c.seq_id for c in first.chunks] == [0]  # 20 + 1 tokens; a second would exceed 32
+    assert first.chunks[0].encoder_token_ids == list(range(20))

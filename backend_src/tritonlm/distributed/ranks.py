@@ -62,6 +62,7 @@ class RankGroup:
 
     def __init__(self, model_dir: Path, world_size: int, overrides: dict, device: torch.device):
         self.world_size = world_size
+        self.serving = False
         init_method = _rendezvous()
         self.workers: list[subprocess.Popen] = []
         if not os.environ.get(EXTERNAL_WORKERS_VARIABLE):
@@ -86,6 +87,7 @@ class RankGroup:
         except Exception as exc:
             raise self.failure("a tensor-parallel rank failed to load", exc) from exc
         self.check_alive()
+        self.serving = True  # the other ranks now wait for plans
 
     def check_alive(self) -> None:
         for rank, worker in enumerate(self.workers, start=1):
@@ -113,9 +115,15 @@ class RankGroup:
         except Exception as exc:  # a rank that died mid-step breaks the collective
             raise self.failure("tensor-parallel ranks lost", exc) from exc
 
+    def kill(self) -> None:
+        """Stop the other ranks without any collective (another thread may be inside one)."""
+        for worker in self.workers:
+            worker.kill()
+            worker.wait()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         if dist.is_initialized():
-            if all(w.poll() is None for w in self.workers):
+            if self.serving and all(w.poll() is None for w in self.workers):
                 with contextlib.suppress(Exception):  # best effort: a lost rank cannot listen
                     dist.broadcast_object_list([None], src=0)
             dist.destroy_process_group()

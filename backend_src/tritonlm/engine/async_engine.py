@@ -74,7 +74,7 @@ class AsyncEngine:
             self._thread.join(timeout)
         if self._sender.is_alive():
             self._sender.join(timeout)
-        self.engine.shutdown()
+        self.engine.shutdown(step_running=self._thread.is_alive())
 
     def _loop(self) -> None:
         try:

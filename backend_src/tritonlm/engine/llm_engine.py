@@ -129,6 +129,10 @@ class LLMEngine:
                                           f"[0, {self.vocab_size})")
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
+                                      f"[0, {self.vocab_size})")
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
@@ -198,11 +202,16 @@ class LLMEngine:
         for observer in self.observers:
             observer.on_request_error(kind)
 
-    def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks, if any."""
-        if self.ranks is not None:
+    def shutdown(self, step_running: bool = False) -> None:
+        """Stop the other tensor-parallel ranks, if any; `step_running`: a step that did not
+        return (hung in a collective) still uses them, so they are killed without a word."""
+        if self.ranks is None:
+            return
+        if step_running:
+            self.ranks.kill()
+        else:
             self.ranks.shutdown()
-            self.ranks = None
+        self.ranks = None
 
     @property
     def has_unfinished(self) -> bool:

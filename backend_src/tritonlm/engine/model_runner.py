@@ -74,18 +74,20 @@ class ModelRunner:
             layer.use_flash = self.use_flash
         return num_blocks
 
+    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> dict[int, SampledToken]:
         """Run one step; returns seq_id -> sampled token for the chunks that sample."""
         if self.ranks is None:
-            return self._execute(plan)
-        self.ranks.broadcast_plan(plan)
-        try:
-            return self._execute(plan)
-        except Exception as exc:  # the ranks' collectives are out of step: nothing can go on
-            raise self.ranks.failure("a tensor-parallel step failed", exc) from exc
+            hidden, inputs = self._forward(plan)
+        else:
+            self.ranks.broadcast_plan(plan)
+            try:
+                hidden, inputs = self._forward(plan)
+            except Exception as exc:  # the ranks' collectives are out of step: nothing can go on
+                raise self.ranks.failure("a tensor-parallel step failed", exc) from exc
+        return self._sample(plan, hidden, inputs.sample_index) if self.is_driver else {}
 
-    @torch.inference_mode()
-    def _execute(self, plan: StepPlan) -> dict[int, SampledToken]:
+    def _forward(self, plan: StepPlan):
         if self.is_driver:
             self.token_counts.release(plan.finished_seq_ids)
             self.token_counts.record(plan.chunks)
@@ -93,11 +95,14 @@ class ModelRunner:
             source, target = (torch.tensor(i, device=self.device) for i in zip(*plan.block_copies))
             self.kv_cache.copy_blocks(source, target)
         inputs = self.inputs.build(plan.chunks)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta), inputs
+
+    def _sample(self, plan: StepPlan, hidden: torch.Tensor,
+                sample_index: torch.Tensor) -> dict[int, SampledToken]:
         sampling_chunks = [c for c in plan.chunks if c.sampling is not None]
-        if not sampling_chunks or not self.is_driver:
+        if not sampling_chunks:
             return {}
-        logits = self.model.compute_logits(hidden[inputs.sample_index])
+        logits = self.model.compute_logits(hidden[sample_index])
         out = sample(logits, self._sampling_tensors(sampling_chunks))
         tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()
         top_ids, top_logprobs = out.top_ids.tolist(), out.top_logprobs.tolist()

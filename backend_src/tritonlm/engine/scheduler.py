@@ -52,8 +52,11 @@ class Scheduler:
         if not plan.preempted_seq_ids:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
+                encoding = 0 if seq.encoder_computed else len(seq.encoder_token_ids or ())
+                if encoding >= budget and plan.chunks:
+                    break  # the encoder runs in one piece: in a step of its own if need be
                 reused = self.block_manager.reuse_cached_prefix(seq)
-                num_new = min(seq.num_uncomputed_tokens, budget)
+                num_new = min(seq.num_uncomputed_tokens, max(budget - encoding, 1))
                 if not self.block_manager.can_grow(seq, num_new):
                     self._release(seq)  # looked up again when it is admitted
                     self.blocked_by_cache = True
@@ -64,7 +67,9 @@ class Scheduler:
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                budget -= self._schedule_chunk(seq, num_new, plan, admitted=True)
+                budget -= encoding + self._schedule_chunk(seq, num_new, plan, admitted=True)
+        if plan.is_empty:  # the runner sees finished sequences with the next real step
+            self._finished_ids = plan.finished_seq_ids
         return plan
 
     def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
