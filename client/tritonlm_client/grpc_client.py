@@ -16,7 +16,7 @@ _NUMPY = {"BYTES": np.object_, "INT64": np.int64, "BOOL": np.bool_}
 _DONE = object()
 
 
-def _infer_input(name: str, value: Any) -> grpcclient.InferInput:
+def infer_input(name: str, value: Any) -> grpcclient.InferInput:
     dtype = FIELD_TYPES[name]
     items = value if isinstance(value, list) else [value]
     if dtype == "BYTES":
@@ -27,7 +27,7 @@ def _infer_input(name: str, value: Any) -> grpcclient.InferInput:
     return tensor
 
 
-def _is_final(result) -> bool:
+def is_final_response(result) -> bool:
     param = result.get_response().parameters.get("triton_final_response")
     return bool(param is not None and param.bool_param)
 
@@ -52,7 +52,7 @@ class Client(BaseClient):
             self._idle.append(conn)
 
     def _responses(self, fields: dict[str, Any]) -> Iterator[Completion]:
-        inputs = [_infer_input(name, value) for name, value in fields.items()]
+        inputs = [infer_input(name, value) for name, value in fields.items()]
         results: queue.Queue = queue.Queue()
         conn = self._acquire()
         finished = False
@@ -66,7 +66,7 @@ class Client(BaseClient):
                 if error is not None:
                     finished = True  # an error response is the request's last
                     raise TritonLMError(error.message() if hasattr(error, "message") else str(error))
-                finished = _is_final(result)
+                finished = is_final_response(result)
                 names = [out.name for out in result.get_response().outputs]
                 yield parse_outputs({name: result.as_numpy(name) for name in names})
         except InferenceServerException as err:

@@ -62,11 +62,19 @@ class BlockManager:
 
     def _take(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)
-        content = self.block_hashes.pop(block, None)
-        if content is not None and self.cached_blocks.get(content) == block:
-            del self.cached_blocks[content]  # evicted
+        self._forget(block)
         self.ref_counts[block] = 1
         return block
+
+    def _forget(self, block: int) -> None:
+        content = self.block_hashes.pop(block, None)
+        if content is not None and self.cached_blocks.get(content) == block:
+            del self.cached_blocks[content]
+
+    def reset_prefix_cache(self) -> None:
+        """Evict every cached block nobody references (vLLM's reset_prefix_cache)."""
+        for block in self.free_blocks:
+            self._forget(block)
 
     def reuse_cached_prefix(self, seq: Sequence) -> int | None:
         """For a sequence holding no blocks, take the cached blocks of its longest cached prefix

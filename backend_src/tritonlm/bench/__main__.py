@@ -1,0 +1,3 @@
+from tritonlm.bench.cli import main
+
+main()

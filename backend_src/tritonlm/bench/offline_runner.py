@@ -1,0 +1,39 @@
+"""Offline: every request handed to the engine in this process at once, token times taken as each
+step returns."""
+import time
+
+from tritonlm.bench.metrics import RequestRecord
+from tritonlm.bench.workloads import BenchRequest
+from tritonlm.engine.llm_engine import LLMEngine
+from tritonlm.sampling_params import SamplingParams
+
+
+def greedy_params(output_len: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+
+
+def warm_up(engine: LLMEngine, requests: list[BenchRequest]) -> None:
+    """A short run first, so one-time costs (allocation, kernel selection) are not timed."""
+    run_offline(engine, [BenchRequest(r.prompt_token_ids[:32], 4) for r in requests[:4]])
+    engine.block_manager.reset_prefix_cache()
+
+
+def run_offline(engine: LLMEngine, requests: list[BenchRequest], on_done=lambda: None
+                ) -> tuple[list[RequestRecord], float]:
+    records: dict[str, RequestRecord] = {}
+    start = time.perf_counter()
+    for i, request in enumerate(requests):
+        prepared = engine.make_request(f"bench-{i}", request.prompt_token_ids,
+                                       greedy_params(request.output_len))
+        engine.add(prepared)
+        records[prepared.request_id] = RequestRecord(len(request.prompt_token_ids), start)
+    while engine.has_unfinished:
+        outputs = engine.step()
+        now = time.perf_counter()
+        for output in outputs:
+            record = records[output.request_id]
+            record.error = output.error
+            record.add_tokens(sum(len(s.token_ids) for s in output.sequences), now)
+            if output.finished:
+                on_done()
+    return list(records.values()), time.perf_counter() - start

@@ -1,0 +1,111 @@
+"""tritonlm-bench end to end: offline, served over gRPC and HTTP SSE against the real tritonserver,
+next to transformers; the figures follow vLLM's benchmark definitions."""
+import json
+import math
+
+import matplotlib.image
+import pytest
+
+from tritonlm.bench.cli import main
+from tritonlm.bench.metrics import RequestRecord, Slo, summarize
+
+
+def test_latency_figures_follow_the_serving_benchmark_definitions():
+    fast = RequestRecord(prompt_len=10, sent=0.0, token_times=[1.0, 1.5, 2.5])
+    slow = RequestRecord(prompt_len=20, sent=1.0, token_times=[4.0, 4.2])
+    failed = RequestRecord(prompt_len=5, sent=0.0, error="bad request")
+    summary = summarize([fast, slow, failed], duration=4.0, slo=Slo.parse("1500,800"))
+    assert (summary["completed"], summary["failed"]) == (2, 1)
+    assert summary["errors"] == ["bad request"]
+    assert summary["input_tokens"] == 30 and summary["output_tokens"] == 5
+    assert summary["output_tokens_per_s"] == pytest.approx(5 / 4.0)
+    assert summary["ttft_ms"]["mean"] == pytest.approx((1000 + 3000) / 2)
+    assert summary["tpot_ms"]["p50"] == pytest.approx((750 + 200) / 2)  # (e2e - ttft) / (n - 1)
+    assert summary["e2e_ms"]["mean"] == pytest.approx((2500 + 3200) / 2)
+    assert sorted([500, 1000, 200]) == pytest.approx(sorted(
+        [*fast.itls * 1e3, *slow.itls * 1e3]))
+    assert summary["itl_ms"]["mean"] == pytest.approx((500 + 1000 + 200) / 3)
+    # Only `fast` meets TTFT <= 1.5 s; a failed request counts against the fraction.
+    assert summary["goodput"]["requests_per_s"] == pytest.approx(1 / 4.0)
+    assert summary["goodput"]["fraction"] == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="ttft_ms,tpot_ms"):
+        Slo.parse("fast")
+
+
+def _runs(path) -> dict[str, dict]:
+    return {run["system"]: run for run in json.loads(path.read_text())["runs"]}
+
+
+def test_offline_with_transformers_shared_prefix_json_and_plot(smollm2_repo, tmp_path, capsys):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    main(["--model", str(smollm2_repo), "--workload", "shared-prefix", "--num-requests", "4",
+          "--prefix-len", "64", "--input-len", "8", "--output-len", "6", "--compare", "hf",
+          "--hf-requests", "2", "--slo", "100000,100000", "--json", str(out), "--plot", str(png)])
+    report = json.loads(out.read_text())
+    runs = _runs(out)
+    ours, hf = runs["tritonlm offline"], runs["hf generate, one at a time"]
+    assert (ours["completed"], ours["output_tokens"], ours["input_tokens"]) == (4, 24, 4 * 72)
+    assert (hf["completed"], hf["output_tokens"]) == (2, 12)
+    assert ours["goodput"]["requests_per_s"] == pytest.approx(ours["requests_per_s"])
+    for run in (ours, hf):
+        assert 0 < run["ttft_ms"]["p50"] <= run["e2e_ms"]["p50"]
+        assert run["tpot_ms"]["mean"] > 0 and run["output_tokens_per_s"] > 0
+    assert report["ratios"]["hf generate, one at a time"] == pytest.approx(
+        ours["output_tokens_per_s"] / hf["output_tokens_per_s"])
+    probe = report["prefix_cache"]["offline"]
+    assert probe["ttft_cold_ms"] > probe["ttft_warm_ms"] > 0
+    image = matplotlib.image.imread(png)
+    assert image.shape[0] > 100 and image.shape[1] > 100
+    printed = capsys.readouterr().out
+    assert "tritonlm offline / hf generate, one at a time" in printed
+    assert "TTFT cold" in printed
+
+
+def test_served_over_grpc_at_several_concurrencies(smollm2_server, smollm2_repo, tmp_path):
+    out = tmp_path / "served.json"
+    main(["--model", str(smollm2_repo), "--mode", "serve", "--url", smollm2_server.grpc_url,
+          "--served-model", "llm", "--concurrency", "1,4", "--num-requests", "4",
+          "--input-len", "16", "--output-len", "8", "--json", str(out)])
+    runs = _runs(out)
+    assert sorted(runs) == ["tritonlm served (grpc) concurrency=1",
+                            "tritonlm served (grpc) concurrency=4"]
+    for run in runs.values():
+        assert (run["completed"], run["failed"], run["output_tokens"]) == (4, 0, 32)
+        # Streamed token by token: inter-token gaps are real gaps, not one burst.
+        assert run["itl_ms"]["p50"] > 0
+    one, four = runs.values()
+    assert one["concurrency"] == 1 and four["concurrency"] == 4
+
+
+def test_served_over_http_sse_by_request_rate_reports_bad_requests(smollm2_server, smollm2_repo,
+                                                                   tmp_path):
+    out = tmp_path / "served.json"
+    # Prompts longer than the served max_model_len fail one by one; the run still completes.
+    main(["--model", str(smollm2_repo), "--mode", "serve", "--url", smollm2_server.http_url,
+          "--protocol", "http", "--request-rate", "20", "--num-requests", "3",
+          "--workload", "random", "--input-range", "4,12", "--output-range", "3,5",
+          "--json", str(out)])
+    (run,) = _runs(out).values()
+    assert run["request_rate"] == 20 and run["completed"] == 3
+    assert 9 <= run["output_tokens"] <= 15
+    assert run["itl_ms"]["p50"] > 0
+
+    main(["--model", str(smollm2_repo), "--mode", "serve", "--url", smollm2_server.http_url,
+          "--protocol", "http", "--num-requests", "2", "--input-len", "600", "--output-len", "4",
+          "--json", str(out)])
+    (run,) = _runs(out).values()
+    assert run["failed"] == 2 and "max_model_len" in run["errors"][0]
+    assert math.isnan(run["ttft_ms"]["p50"])
+
+
+def test_offline_and_served_in_one_run_starts_its_own_server(smollm2_repo, tmp_path):
+    out = tmp_path / "both.json"
+    main(["--model", str(smollm2_repo), "--mode", "offline", "serve", "--concurrency", "3",
+          "--num-requests", "3", "--input-len", "8", "--output-len", "5", "--json", str(out)])
+    report = json.loads(out.read_text())
+    runs = _runs(out)
+    served = runs["tritonlm served (grpc) concurrency=3"]
+    assert runs["tritonlm offline"]["output_tokens"] == served["output_tokens"] == 15
+    assert report["ratios"]["tritonlm served (grpc) concurrency=3"] == pytest.approx(
+        runs["tritonlm offline"]["output_tokens_per_s"] / served["output_tokens_per_s"])
+    assert (tmp_path / "both.server.log").read_text()  # the server's log is kept beside
