@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests HF runs one at a time (its tokens/s is measured on these)")
     c.add_argument("--slo", type=metrics.Slo.parse, metavar="TTFT_MS,TPOT_MS",
                    help="goodput: requests/s meeting both")
+    c.add_argument("--roofline", action="store_true",
+                   help="offline: batch-1 decode step against the memory-copy bandwidth")
     c.add_argument("--json", type=Path, help="write every figure here")
     c.add_argument("--plot", type=Path, help="PNG of latency against throughput")
     return p
@@ -120,7 +122,11 @@ def bench_offline(args, model_dir, requests) -> tuple[list[dict], dict | None]:
         if args.workload == "shared-prefix":
             prefix = prefix_probe(args, model_dir, lambda probe: [
                 run_offline(engine, [r])[0][0] for r in probe])
-        return [_summary(OURS, records, duration, args.slo)], prefix
+        runs = [_summary(OURS, records, duration, args.slo)]
+        if args.roofline:
+            from tritonlm.bench.roofline import measure
+            runs[0]["roofline"] = measure(engine)
+        return runs, prefix
     finally:
         engine.shutdown()
 
@@ -241,6 +247,13 @@ def main(argv=None) -> None:
         print(f"  shared {probe['prefix_tokens']}-token prefix ({mode}): TTFT cold "
               f"{probe['ttft_cold_ms']:.1f} ms, warm {probe['ttft_warm_ms']:.1f} ms "
               f"({probe['cold_over_warm']:.1f}x)")
+    roofline = runs[0].get("roofline")
+    if roofline:
+        print(f"  batch-1 decode: {roofline['decode_step_ms']:.2f} ms/step reading "
+              f"{roofline['weight_bytes'] / 1e6:.1f} MB of weights "
+              f"+ {roofline['kv_bytes_per_step'] / 1e6:.1f} MB of KV; copy bandwidth "
+              f"{roofline['copy_bandwidth_gb_s']:.1f} GB/s -> roofline "
+              f"{roofline['roofline_step_ms']:.2f} ms, {roofline['fraction_of_roofline']:.0%} of it")
     if args.json:
         report.write_json(args.json, {"title": title, "dtype": config.dtype, "runs": runs,
                                       "ratios": vs, "prefix_cache": prefix})
