@@ -91,7 +91,7 @@ class BlockManager:
                 del self.free_blocks[block]
             self.ref_counts[block] += 1
             seq.block_table.append(block)
-            seq.block_hashes.append(content)
+            seq.num_cached_blocks += 1
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         return seq.num_computed_tokens
 
@@ -100,22 +100,27 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         # NOTE: only full blocks are hashed; a partial block is still being written.
-        for index in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
+        for index in range(seq.num_cached_blocks, seq.num_computed_tokens // self.block_size):
             content = self._chain_hash(seq, index)
             block = seq.block_table[index]
-            seq.block_hashes.append(content)
+            seq.num_cached_blocks += 1
             self.block_hashes[block] = content
             self.cached_blocks.setdefault(content, block)
 
     def _chain_hash(self, seq: Sequence, index: int) -> int:
-        previous = seq.block_hashes[index - 1] if index else None
-        start = index * self.block_size
-        return hash((previous, tuple(seq.token_ids[start:start + self.block_size])))
+        hashes = seq.content_hashes
+        while len(hashes) <= index:
+            start = len(hashes) * self.block_size
+            previous = hashes[-1] if hashes else None
+            hashes.append(hash((previous, tuple(seq.token_ids[start:start + self.block_size]))))
+        return hashes[index]
 
     def share(self, source: Sequence, target: Sequence, num_tokens: int) -> None:
         """Let `target` reuse `source`'s KV for its first `num_tokens` tokens."""
         target.block_table = source.block_table[:self.blocks_for(num_tokens)]
-        target.block_hashes = source.block_hashes[:num_tokens // self.block_size]
+        full_blocks = num_tokens // self.block_size
+        target.num_cached_blocks = min(source.num_cached_blocks, full_blocks)
+        target.content_hashes = source.content_hashes[:full_blocks]
         target.cross_block_table = list(source.cross_block_table)
         target.encoder_computed = source.encoder_computed
         for block in target.block_table + target.cross_block_table:
@@ -130,6 +135,6 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 self.free_blocks[block] = None
         seq.block_table = []
-        seq.block_hashes = []
+        seq.num_cached_blocks = 0
         seq.cross_block_table = []
         seq.encoder_computed = False

@@ -5,7 +5,6 @@ import json
 import logging
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -16,6 +15,7 @@ from tritonlm.engine.block_manager import BlockManager
 from tritonlm.engine.detokenizer import IncrementalDetokenizer
 from tritonlm.distributed.ranks import RankGroup
 from tritonlm.engine.model_runner import ModelRunner, resolve_device
+from tritonlm.engine.request_builder import Request, RequestBuilder
 from tritonlm.engine.request_state import RequestOutput, RequestState
 from tritonlm.engine.scheduler import Scheduler
 from tritonlm.engine.sequence import FinishReason, Sequence
@@ -28,18 +28,6 @@ from tritonlm.models.registry import context_limit, kv_depends_only_on_prefix
 from tritonlm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Request:
-    """A validated, tokenized request, ready for the engine thread."""
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt_text: str | None = None
-    bad_words_ids: list[list[int]] = field(default_factory=list)
-    arrival: float = field(default_factory=time.time)
-    trace_parent: str | None = None  # W3C traceparent to continue
 
 
 def resolve_model_dir(path: str | Path) -> Path:
@@ -87,6 +75,9 @@ class LLMEngine:
                                    self.config.max_num_batched_tokens,
                                    self._eos_token_ids(weights_dir))
         self.vocab_size = self.hf_config.vocab_size
+        self.request_builder = RequestBuilder(
+            self.tokenizer, self.vocab_size, self.max_model_len, self.block_manager,
+            encoder_decoder=self._decoder_start is not None)
         self._seq_ids = itertools.count()
         self._requests: dict[str, RequestState] = {}
         self._seq_requests: dict[int, RequestState] = {}
@@ -109,56 +100,8 @@ class LLMEngine:
                      params: SamplingParams | None = None, messages: list[dict] | None = None,
                      add_generation_prompt: bool = True) -> Request:
         """Validate and tokenize; raises InvalidRequestError. Safe to call from any thread."""
-        params = params or SamplingParams()
-        if (prompt is None) == (messages is None):
-            raise InvalidRequestError("give exactly one of a prompt (text or token ids) or messages")
-        if messages is not None:
-            prompt = self.render_chat(messages, add_generation_prompt)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=messages is None)
-            text = prompt
-        else:
-            token_ids, text = list(prompt), None
-            if not all(isinstance(t, int) for t in token_ids):
-                raise InvalidRequestError("a token-id prompt must be a list of integers")
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"input_ids {bad[:5]} are outside the vocabulary "
-                                          f"[0, {self.vocab_size})")
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
-                                      f"[0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
-                "it must be shorter to leave room for a new token")
-        blocks = self.block_manager.blocks_for
-        needed = blocks(len(token_ids)) + 1 if self._decoder_start else blocks(len(token_ids) + 1)
-        if needed > self.block_manager.num_blocks:
-            raise InvalidRequestError(f"prompt of {len(token_ids)} tokens does not fit the KV cache")
-        return Request(request_id, token_ids, params, text, self._bad_words_ids(params.bad_words))
-
-    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
-        # A word may start a text or follow a space, which byte-level vocabularies tell apart.
-        variants = {tuple(self.tokenizer.encode(text, add_special_tokens=False))
-                    for word in words for text in (word, " " + word.lstrip())}
-        return [list(v) for v in variants if v]
-
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The model's own chat template applied to `messages`."""
-        if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in messages) or not messages:
-            raise InvalidRequestError("messages must be a non-empty list of {role, content} objects")
-        if not self.tokenizer.chat_template:
-            raise InvalidRequestError("this model has no chat template; send text_input instead")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        return self.request_builder.build(request_id, prompt, params, messages,
+                                          add_generation_prompt)
 
     def add(self, request: Request) -> None:
         """Queue a prepared request; it joins the running batch at the next step."""

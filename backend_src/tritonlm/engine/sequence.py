@@ -35,7 +35,9 @@ class Sequence:
         self.bad_words_ids = list(bad_words_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # prefix-chain hashes of its full, computed blocks
+        self.num_cached_blocks = 0  # its first blocks the prefix cache knows
+        # Prefix-chain hashes of its full blocks of tokens, computed once: token_ids only grow.
+        self.content_hashes: list[int] = []
         # Encoder-decoder models: the prompt goes to the encoder, whose output becomes the
         # cross-attention K/V held in `cross_block_table`; token_ids are the decoder's.
         self.encoder_token_ids = encoder_token_ids

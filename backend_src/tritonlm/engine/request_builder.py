@@ -1,0 +1,88 @@
+"""Turns what a client sent (text, token ids or chat messages, and sampling parameters) into a
+validated, tokenized Request; every problem is an InvalidRequestError for that request alone."""
+import time
+from dataclasses import dataclass, field
+
+from tritonlm.engine.block_manager import BlockManager
+from tritonlm.errors import InvalidRequestError
+from tritonlm.sampling_params import SamplingParams
+
+
+@dataclass
+class Request:
+    """A validated, tokenized request, ready for the engine thread."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt_text: str | None = None
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+    arrival: float = field(default_factory=time.time)
+    trace_parent: str | None = None  # W3C traceparent to continue
+
+
+class RequestBuilder:
+    """Safe to use from any thread: it only reads the tokenizer and the engine's limits."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
+                 block_manager: BlockManager, encoder_decoder: bool):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.blocks = block_manager
+        self.encoder_decoder = encoder_decoder
+
+    def build(self, request_id: str, prompt: str | list[int] | None = None,
+              params: SamplingParams | None = None, messages: list[dict] | None = None,
+              add_generation_prompt: bool = True) -> Request:
+        params = params or SamplingParams()
+        if (prompt is None) == (messages is None):
+            raise InvalidRequestError("give exactly one of a prompt (text or token ids) or messages")
+        if messages is not None:
+            prompt = self.render_chat(messages, add_generation_prompt)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=messages is None)
+            text = prompt
+        else:
+            token_ids, text = list(prompt), None
+            if not all(isinstance(t, int) for t in token_ids):
+                raise InvalidRequestError("a token-id prompt must be a list of integers")
+            self._check_vocabulary("input_ids", token_ids)
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        self._check_vocabulary("stop_token_ids", params.stop_token_ids)
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
+                "it must be shorter to leave room for a new token")
+        blocks_for = self.blocks.blocks_for
+        # Encoder-decoder: the prompt fills cross blocks and the decoder needs one more.
+        needed = (blocks_for(len(token_ids)) + 1 if self.encoder_decoder
+                  else blocks_for(len(token_ids) + 1))
+        if needed > self.blocks.num_blocks:
+            raise InvalidRequestError(f"prompt of {len(token_ids)} tokens does not fit the KV cache")
+        return Request(request_id, token_ids, params, text, self._bad_words_ids(params.bad_words))
+
+    def _check_vocabulary(self, name: str, token_ids: list[int]) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{name} {bad[:5]} are outside the vocabulary "
+                                      f"[0, {self.vocab_size})")
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        # A word may start a text or follow a space, which byte-level vocabularies tell apart.
+        variants = {tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                    for word in words for text in (word, " " + word.lstrip())}
+        return [list(v) for v in variants if v]
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The model's own chat template applied to `messages`."""
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list of {role, content} objects")
+        if not self.tokenizer.chat_template:
+            raise InvalidRequestError("this model has no chat template; send text_input instead")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
