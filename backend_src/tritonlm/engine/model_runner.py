@@ -43,6 +43,9 @@ class ModelRunner:
         self.model = load_model(weights_dir, hf_config, self.dtype, self.device,
                                 config.max_model_len, tp.rank)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        for module in self.model.modules():
+            if hasattr(module, "prepack_for_cpu"):
+                module.prepack_for_cpu(config.max_num_seqs)
         self.use_flash = (flash_attention_usable(self.device, self.dtype, self.block_size,
                                                  config.kv_cache_dtype)
                           and all(layer.position_bias is None or hasattr(layer.position_bias, "slopes")

@@ -76,6 +76,8 @@ class PagedAttention(nn.Module):
         if self.use_flash:
             return self._flash(q, meta)
         q = self.kv.rotate(q)
+        if meta.prefill_token_index is None:  # decodes only: token i is row i
+            return self.kv.unrotate(self._decode(q, meta))
         out = torch.empty_like(q)
         if meta.decode_token_index is not None:
             out[meta.decode_token_index] = self._decode(q[meta.decode_token_index], meta)

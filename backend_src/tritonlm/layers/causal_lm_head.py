@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tritonlm.layers import cpu_gemm
 from tritonlm.layers.attention_metadata import AttentionMetadata
 
 
@@ -33,7 +34,17 @@ class CausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         return self.decoder(input_ids, positions, meta)
 
+    def output_head(self) -> nn.Module:
+        return self.input_embeddings() if self.tie_word_embeddings else getattr(self, self.head_name)
+
+    def prepack_for_cpu(self, batch_hint: int) -> None:
+        """A oneDNN-layout copy of the head weight (kept beside the embedding when tied)."""
+        weight = self.output_head().weight
+        if cpu_gemm.can_prepack(weight):
+            self.packed_head = cpu_gemm.prepack(weight, batch_hint)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        tied = self.tie_word_embeddings
-        head = self.input_embeddings() if tied else getattr(self, self.head_name)
-        return F.linear(hidden, head.weight)
+        packed = getattr(self, "packed_head", None)
+        if packed is not None:
+            return cpu_gemm.packed_linear(hidden, packed, None)
+        return F.linear(hidden, self.output_head().weight)

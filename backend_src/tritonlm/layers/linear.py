@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonlm.distributed import parallel_state
+from tritonlm.layers import cpu_gemm
 from tritonlm.layers.quantization import QUANTIZED, QuantizedWeight, rows_of_parts
 
 
@@ -43,8 +44,10 @@ def local_kv_heads(num_heads: int, num_kv_heads: int, rank: int, world_size: int
 
 class _ShardedLinear(nn.Linear):
     """A Linear holding `shard_index` of the full weight's features along `shard_dim`. The
-    loader may swap its weight for quantized storage (`use_quantized_weight`)."""
+    loader may swap its weight for quantized storage (`use_quantized_weight`), the model runner
+    for a CPU-prepacked one (`prepack_for_cpu`)."""
     shard_dim = 0
+    packed: torch.Tensor | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, index: np.ndarray):
         self.shard_index = index
@@ -60,12 +63,25 @@ class _ShardedLinear(nn.Linear):
             self.out_features, self.in_features, bits, num_groups, has_biases,
             (self.shard_dim, self.shard_index) if parallel_state.current().world_size > 1 else None))
 
+    def prepack_for_cpu(self, batch_hint: int) -> None:
+        """Hold the weight in oneDNN's layout only, when that is faster on this CPU."""
+        if getattr(self, QUANTIZED, None) is None and cpu_gemm.can_prepack(self.weight):
+            self.packed = cpu_gemm.prepack(self.weight, batch_hint)
+            self.weight = None
+
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         quantized = getattr(self, QUANTIZED, None)
-        return self.weight if quantized is None else quantized(dtype)
+        if quantized is not None:
+            return quantized(dtype)
+        return self.packed.to_dense() if self.packed is not None else self.weight
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_gemm.packed_linear(x, self.packed, bias)
+        return F.linear(x, self.dense_weight(x.dtype), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dense_weight(x.dtype), self.bias)
+        return self.matmul(x, self.bias)
 
     def shard_parts(self, leaf: str, part_sizes: list[int]) -> list[tuple[int, np.ndarray] | None]:
         """How to cut this rank's slice from each checkpoint part (concatenated along dim 0) of
@@ -131,5 +147,5 @@ class RowParallelLinear(_ShardedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if parallel_state.current().world_size == 1:
             return super().forward(x)
-        out = parallel_state.all_reduce(F.linear(x, self.dense_weight(x.dtype)))
+        out = parallel_state.all_reduce(self.matmul(x, None))
         return out + self.bias if self.bias is not None else out
