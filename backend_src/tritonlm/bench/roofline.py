@@ -22,16 +22,20 @@ def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
 
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
-    """Bytes of every parameter and buffer a decode step reads in full. An embedding table is
-    read one row per token, unless the output head is that table (tied), which reads it all."""
+    """Bytes of every weight a decode step reads in full: parameters, buffers and CPU-prepacked
+    weights. An embedding table is read one row per token, unless the output head is that
+    table (tied) and has no prepacked copy of its own, which reads it all."""
+    packed_head = getattr(model, "packed_head", None)
     tied_head = model.input_embeddings() if model.tie_word_embeddings else None
-    total = 0
+    tensors = [packed_head] if packed_head is not None else []
     for module in model.modules():
-        if isinstance(module, torch.nn.Embedding) and module is not tied_head:
+        if isinstance(module, torch.nn.Embedding) and (module is not tied_head
+                                                       or packed_head is not None):
             continue
-        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-            total += tensor.numel() * tensor.element_size()
-    return total
+        tensors += [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if getattr(module, "packed", None) is not None:
+            tensors.append(module.packed)
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _kv_bytes_per_token(engine: LLMEngine) -> float:

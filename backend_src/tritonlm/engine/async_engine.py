@@ -4,6 +4,7 @@ waits on the transport."""
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,6 +17,9 @@ logger = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]
 # A step failing this often in a row is a broken engine, not a bad batch.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+# is_cancelled() may be a round trip to another process (Triton's), so it is asked this often
+# (seconds), not every step of every request.
+CANCEL_POLL_INTERVAL = 0.1
 
 
 @dataclass
@@ -33,6 +37,7 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._active: dict[str, _Handle] = {}
         self._stopping = False
+        self._next_cancel_poll = 0.0
         self.death: Exception | None = None  # why the loop died, if it did
         # Called on the engine thread once if the loop dies (not on shutdown).
         self.on_death: Callable[[Exception], None] | None = None
@@ -142,6 +147,10 @@ class AsyncEngine:
         self._active[handle.request.request_id] = handle
 
     def _cancelled_ids(self) -> list[str]:
+        now = time.monotonic()
+        if now < self._next_cancel_poll:
+            return []
+        self._next_cancel_poll = now + CANCEL_POLL_INTERVAL
         return [rid for rid, h in self._active.items() if h.is_cancelled and h.is_cancelled()]
 
     def _abort(self, request_id: str) -> None:
