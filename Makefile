@@ -7,7 +7,7 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 
-.PHONY: setup serve test bench clean
+.PHONY: setup setup-vllm serve test bench bench-vllm clean
 
 setup: $(STAMP)
 
@@ -25,8 +25,15 @@ serve: setup $(REPO)/$(MODEL)/config.pbtxt
 test: setup
 	$(PY) -m pytest -q tests
 
+setup-vllm:
+	tools/setup_vllm.sh
+
 bench: setup
-	$(PY) -m tritonlm.bench
+	$(VENV)/bin/tritonlm-bench --mode offline serve --concurrency 32 --compare hf --roofline \
+		--json bench_results/fixed.json --plot bench_results/fixed.png
+
+bench-vllm: setup setup-vllm
+	$(VENV)/bin/tritonlm-bench --compare hf vllm --json bench_results/vllm.json
 
 clean:
-	rm -rf $(VENV) $(REPO)/$(MODEL)
+	rm -rf $(VENV) .venv-vllm $(REPO)/$(MODEL)

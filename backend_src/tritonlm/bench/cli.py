@@ -162,7 +162,9 @@ def bench_serve(args, model_dir, requests) -> tuple[list[dict], dict | None]:
     url = args.url
     if url is None:
         http, grpc, metrics_port = _free_ports(3)
-        log = open(Path(args.json or "tritonlm-bench").with_suffix(".server.log"), "w")
+        log_path = Path(args.json or "tritonlm-bench").with_suffix(".server.log")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "w")
         server = TritonServerProcess(model_dir.parent, http, grpc, metrics_port,
                                      stdout=log, stderr=subprocess.STDOUT).start()
         if not server.wait_ready(timeout=600):

@@ -35,6 +35,7 @@ def ratios(runs: list[dict], ours: str) -> dict[str, float]:
 
 
 def write_json(path: Path, report: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, allow_nan=True))
 
 
@@ -60,5 +61,6 @@ def plot(path: Path, runs: list[dict]) -> None:
         axis.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
     figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     plt.close(figure)
