@@ -120,7 +120,7 @@ def test_chat_rendering_matches_transformers_and_custom_templates(smollm2_llm, s
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
                 {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"}]
     for add in (True, False):
-        assert smollm2_llm.engine.render_chat(messages, add) == smollm2_tokenizer.apply_chat_template(
+        assert smollm2_llm.engine.request_builder.render_chat(messages, add) == smollm2_tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add)
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
@@ -128,7 +128,7 @@ def test_chat_rendering_matches_transformers_and_custom_templates(smollm2_llm, s
     model_dir = run_convert("default", tmp_path / "repo", "--dtype", "bfloat16",
                             "--chat-template", str(template))
     custom = LLM(str(model_dir), num_kv_blocks=16)
-    assert custom.engine.render_chat(messages[:2]) == "[system] Be brief.\n[user] Hi!\n[assistant] "
+    assert custom.engine.request_builder.render_chat(messages[:2]) == "[system] Be brief.\n[user] Hi!\n[assistant] "
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
     import subprocess
     with __import__("pytest").raises(subprocess.CalledProcessError) as failure:

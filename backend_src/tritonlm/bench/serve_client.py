@@ -13,13 +13,16 @@ from tritonclient.utils import InferenceServerException
 
 from tritonlm.bench.metrics import RequestRecord
 from tritonlm.bench.workloads import BenchRequest
-from tritonlm_client._core import parse_outputs, request_fields
+from tritonlm_client._core import RETURN_FLAGS, parse_outputs, request_fields
 from tritonlm_client.grpc_client import infer_input, is_final_response
 
 
 def _fields(request: BenchRequest) -> dict:
+    """Streamed greedy generation; of the optional outputs only token_ids, to count tokens."""
     sampling = {"max_tokens": request.output_len, "temperature": 0, "ignore_eos": True}
-    return request_fields(request.prompt_token_ids, stream=True, sampling=sampling)
+    fields = request_fields(request.prompt_token_ids, stream=True, sampling=sampling)
+    return {name: value for name, value in fields.items()
+            if name not in RETURN_FLAGS or name == "return_token_ids"}
 
 
 class GrpcStreamer:
