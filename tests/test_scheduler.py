@@ -185,6 +185,22 @@ def test_prefix_cache_reuses_full_blocks_of_a_finished_request():
     assert sched.prefix_cache_hits == 8 and sched.prefix_cache_queries == 10 + 13
 
 
+def test_requests_arriving_together_compute_a_shared_prefix_once():
+    sched, bm = make_scheduler(num_blocks=32, prefix_caching=True)
+    first, same, other = make_seq(0, 13, max_tokens=2), make_seq(1, 13, max_tokens=2), \
+        Sequence(2, "r2", list(range(50, 63)), SamplingParams(max_tokens=2), seed=2,
+                 max_total_tokens=15)
+    for seq in (first, same, other):
+        sched.add(seq)
+    plan = run_step(sched)
+    # `same` waits for the three prefix blocks `first` is computing; `other` queues behind it.
+    assert [c.seq_id for c in plan.chunks] == [0]
+    plan = run_step(sched)
+    assert [(c.seq_id, c.start_pos) for c in plan.chunks] == [(0, 13), (1, 12), (2, 0)]
+    assert plan.chunks[1].block_table[:3] == plan.chunks[0].block_table[:3]
+    assert sched.prefix_cache_hits == 12
+
+
 def first_blocks(seq, bm):
     return [bm.cached_blocks[h] for h in _hashes(seq.token_ids[:8], bm.block_size)]
 

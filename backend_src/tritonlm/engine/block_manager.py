@@ -95,6 +95,22 @@ class BlockManager:
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         return seq.num_computed_tokens
 
+    def pending_block_hashes(self, seq: Sequence) -> list[int]:
+        """Content hashes of `seq`'s full blocks of tokens it has not computed yet: blocks the
+        prefix cache will hold once its prefill gets there."""
+        if not self.enable_prefix_caching:
+            return []
+        return [self._chain_hash(seq, index) for index in
+                range(seq.num_computed_tokens // self.block_size, seq.num_tokens // self.block_size)]
+
+    def next_block_hash(self, seq: Sequence) -> int | None:
+        """The content hash of the first full block `seq` would compute itself after its reused
+        prefix, if a later lookup could still find it cached."""
+        index = len(seq.block_table)
+        if not self.enable_prefix_caching or index >= (seq.num_tokens - 1) // self.block_size:
+            return None
+        return self._chain_hash(seq, index)
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Make `seq`'s newly computed full blocks findable by later requests."""
         if not self.enable_prefix_caching:

@@ -50,12 +50,19 @@ class Scheduler:
             budget -= self._schedule_chunk(seq, num_new, plan)
         self.blocked_by_cache = bool(plan.preempted_seq_ids)
         if not plan.preempted_seq_ids:
+            # Prompt blocks that running prefills are about to compute: a request needing one
+            # waits for it to reach the prefix cache rather than compute it a second time.
+            in_flight = {h for s in self.running
+                         for h in self.block_manager.pending_block_hashes(s)}
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
                 encoding = 0 if seq.encoder_computed else len(seq.encoder_token_ids or ())
                 if encoding >= budget and plan.chunks:
                     break  # the encoder runs in one piece: in a step of its own if need be
                 reused = self.block_manager.reuse_cached_prefix(seq)
+                if reused is not None and self.block_manager.next_block_hash(seq) in in_flight:
+                    self._release(seq)
+                    break
                 num_new = min(seq.num_uncomputed_tokens, max(budget - encoding, 1))
                 if not self.block_manager.can_grow(seq, num_new):
                     self._release(seq)  # looked up again when it is admitted
@@ -67,6 +74,7 @@ class Scheduler:
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
+                in_flight.update(self.block_manager.pending_block_hashes(seq))
                 budget -= encoding + self._schedule_chunk(seq, num_new, plan, admitted=True)
         if plan.is_empty:  # the runner sees finished sequences with the next real step
             self._finished_ids = plan.finished_seq_ids
