@@ -1,0 +1,459 @@
+#!/usr/bin/env python3
+"""Runs a batch of token-id requests through vLLM's CPU build, for ``tritonlm-bench --compare vllm``.
+
+This file is a STANDALONE SCRIPT. It runs under vLLM's own venv (``.venv-vllm/bin/python``, made
+by ``tools/setup_vllm.sh``) and must never import tritonlm nor anything outside that venv: only
+the standard library at import time, and vLLM inside ``run()``.
+
+Modes
+-----
+Run the benchmark (under ``.venv-vllm/bin/python``)::
+
+    python vllm_runner.py --model HF_DIR --requests REQUESTS.json --output RESULTS.json \
+        [--dtype bfloat16|float32] [--max-model-len N] [--kv-cache-gib N] \
+        [--max-num-seqs N] [--max-num-batched-tokens N] [--threads-bind SPEC] \
+        [--omp iomp|gomp] [--engine-process inproc|mp] [--ttft] [--save-token-ids] [--repeat N]
+
+  REQUESTS.json: ``[{"prompt_token_ids": [...], "max_tokens": 128}, ...]``; every request is
+  run greedy (temperature 0) with ``ignore_eos=True`` and its own ``max_tokens``, all in one
+  ``LLM.generate`` call, detokenizing as our engine does. A short warm-up generate runs first
+  (on other token ids, so the prefix cache cannot help the timed run), then the full generate is
+  timed with ``time.perf_counter``.
+
+  RESULTS.json: ``{"elapsed_s": float, "output_tokens": [int per request], "vllm_version": str,
+  "settings": {...}}`` plus ``"elapsed_runs_s"`` (one per ``--repeat``; elapsed_s is their
+  median), ``"ttft_s": [float per request]`` with ``--ttft`` (vLLM fills
+  ``RequestOutput.metrics`` only when its stats logging is on, which cost ~10% throughput here,
+  so it is off by default) and ``"output_token_ids"`` with ``--save-token-ids``.
+  ``settings.other_processes_cpu_s`` says how many CPU-seconds other programs (and hypervisor
+  steal) took during each timed run: more than ~1 s means the figure was disturbed.
+
+Make an HF model directory for vLLM out of a tritonlm weights directory (any Python >= 3.8,
+stdlib only; our bench calls this from our own venv by running the script)::
+
+    python vllm_runner.py --prepare-hf-dir WEIGHTS_DIR DEST
+
+  ``hf_dir_for_vllm(weights_dir, dest)`` does it: DEST gets a symlink to every file of
+  WEIGHTS_DIR, with ``rank0.safetensors`` linked as ``model.safetensors`` (tensor-parallel
+  shards of other ranks are left out). The file may also be imported by path
+  (``importlib.util.spec_from_file_location``); importing it does nothing else.
+
+vLLM "at its best" on this CPU: what the settings are and why
+--------------------------------------------------------------
+* Compilation: we do not pass ``enforce_eager``. vLLM's CPU platform (vllm/platforms/cpu.py)
+  turns the default VLLM_COMPILE mode into DYNAMO_TRACE_ONCE with the inductor backend (C++
+  codegen, epilogue fusion); there are no CUDA graphs on CPU (cudagraph_capture_sizes is
+  emptied). The model is compiled while the engine starts, before our warm-up.
+* LD_PRELOAD: vLLM's CPU docs advise preloading tcmalloc and Intel OpenMP (libiomp5). A process
+  cannot preload into itself, so when LD_PRELOAD lacks tcmalloc this script re-executes itself
+  once with LD_PRELOAD set (tcmalloc from Debian's libtcmalloc-minimal4, libiomp5.so from the
+  intel-openmp wheel in the venv). ``--omp gomp`` preloads tcmalloc only, and vLLM then adds
+  PyTorch's own libgomp itself. The caller sets nothing.
+  Measured here (SmolLM2-135M, 32 x 128 in / 128 out): libiomp5 beat libgomp by ~12%.
+* Threads: vLLM's "auto" VLLM_CPU_OMP_THREADS_BIND reserves one core per rank for its
+  engine-core (scheduler) process, which on this 2-core machine leaves the model one thread:
+  ~40% slower than binding both. ``--threads-bind`` defaults to every CPU this process may use
+  (``0-1`` here).
+* Processes (``--engine-process``): by default vLLM runs the engine core and the model worker in
+  two more processes (VLLM_ENABLE_V1_MULTIPROCESSING=1, "mp" executor), which compete with the
+  OpenMP threads for the 2 cores. ``inproc`` (default) runs everything in this process
+  (VLLM_ENABLE_V1_MULTIPROCESSING=0, "uni" executor) with OMP_NUM_THREADS and KMP_AFFINITY set
+  as vLLM would set them in its worker: ~11% more tokens/s here. ``--engine-process mp`` gives
+  vLLM's stock layout.
+* Scheduler: vLLM's CPU defaults (max_num_seqs 256, max_num_batched_tokens 4096, chunked
+  prefill and prefix caching on, block size 128) measured as fast as any tuning tried
+  (max_num_seqs 32 with 8192 batched tokens, 2048 or 1024 batched tokens, block size 64), so
+  they are left alone unless ``--max-num-seqs`` / ``--max-num-batched-tokens`` are given.
+* VLLM_CPU_KVCACHE_SPACE from ``--kv-cache-gib`` (default 4).
+* Nothing downloads: HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1, VLLM_NO_USAGE_STATS=1,
+  DO_NOT_TRACK=1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":
+    # Run as a script, Python puts this file's folder (tritonlm/bench/) first on sys.path; a
+    # module there (vllm_compare.py, cli.py, ... or one day a "vllm.py") must never shadow vLLM's
+    # venv, nor the standard library.
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+
+import argparse  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+
+_REEXEC_MARK = "TRITONLM_VLLM_RUNNER_REEXEC"
+
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+def hf_dir_for_vllm(weights_dir: str, dest: str) -> str:
+    """Fill ``dest`` with symlinks to every file of tritonlm's ``weights_dir`` (config.json,
+    tokenizer files, generation_config.json, ...), ``rank0.safetensors`` linked as
+    ``model.safetensors``. Other ranks' shards are skipped. Idempotent. Returns ``dest``."""
+    weights_dir = os.path.abspath(weights_dir)
+    if not os.path.isfile(os.path.join(weights_dir, "rank0.safetensors")):
+        raise FileNotFoundError(f"{weights_dir}/rank0.safetensors not found")
+    if not os.path.isfile(os.path.join(weights_dir, "config.json")):
+        raise FileNotFoundError(f"{weights_dir}/config.json not found")
+    os.makedirs(dest, exist_ok=True)
+    for name in sorted(os.listdir(weights_dir)):
+        src = os.path.join(weights_dir, name)
+        if not os.path.isfile(src):
+            continue
+        if name.startswith("rank") and name.endswith(".safetensors"):
+            if name != "rank0.safetensors":
+                continue
+            name = "model.safetensors"
+        link = os.path.join(dest, name)
+        if os.path.islink(link) or os.path.exists(link):
+            if os.path.islink(link) and os.readlink(link) == src:
+                continue
+            os.remove(link)
+        os.symlink(src, link)
+    return dest
+
+
+# ----------------------------------------------------------------------------------------------
+# LD_PRELOAD re-exec
+
+
+def _find_tcmalloc() -> str | None:
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False).stdout
+        for line in out.splitlines():
+            if line.strip().startswith("libtcmalloc_minimal.so.4 ") and "=>" in line:
+                path = line.split("=>")[-1].strip()
+                if os.path.exists(path):
+                    return path
+    except OSError:
+        pass
+    for pattern in (
+        "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+        "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+        "/usr/lib64/libtcmalloc_minimal.so.4",
+        "/usr/lib/libtcmalloc_minimal.so.4",
+    ):
+        if os.path.exists(pattern):
+            return pattern
+    return None
+
+
+def _find_iomp() -> str | None:
+    hits = glob.glob(os.path.join(sys.prefix, "lib", "libiomp5.so"))
+    hits += glob.glob(os.path.join(sys.prefix, "lib", "python3*", "site-packages", "**", "libiomp5.so"),
+                      recursive=True)
+    return os.path.realpath(hits[0]) if hits else None
+
+
+def _reexec_with_preload(omp: str) -> None:
+    """Re-exec this script once with tcmalloc (and libiomp5 for omp == "iomp") in LD_PRELOAD."""
+    if os.environ.get(_REEXEC_MARK) == "1":
+        return
+    current = [p for p in os.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
+    wanted = []
+    if not any("libtcmalloc" in p for p in current):
+        tcmalloc = _find_tcmalloc()
+        if tcmalloc:
+            wanted.append(tcmalloc)
+        else:
+            print("vllm_runner: libtcmalloc_minimal.so.4 not found (apt-get install "
+                  "libtcmalloc-minimal4); running without it", file=sys.stderr)
+    has_omp = any(k in p for p in current for k in ("libiomp", "libomp", "libgomp"))
+    if omp == "iomp" and not has_omp:
+        iomp = _find_iomp()
+        if iomp:
+            wanted.append(iomp)
+        else:
+            print("vllm_runner: libiomp5.so not found in this venv (pip install intel-openmp); "
+                  "vLLM will use PyTorch's libgomp", file=sys.stderr)
+    if not wanted:
+        return
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join(wanted + current)
+    env[_REEXEC_MARK] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
+
+
+def _allowed_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def _parse_cpu_list(spec: str) -> list[int]:
+    """'0-1,4' -> [0, 1, 4]"""
+    cpus: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if "-" in part:
+            lo, hi = part.split("-")
+            cpus.extend(range(int(lo), int(hi) + 1))
+        elif part:
+            cpus.append(int(part))
+    return cpus
+
+
+def _cpu_range(cpus: list[int]) -> str:
+    if cpus and cpus == list(range(cpus[0], cpus[-1] + 1)):
+        return f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0])
+    return ",".join(str(c) for c in cpus)
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmark
+
+
+def _cpu_snapshot() -> tuple[float, float] | None:
+    """(CPU seconds used by the whole machine, by this process and its children), to tell how
+    much of the machine other programs took during a timed run (Linux + psutil only)."""
+    try:
+        import psutil  # noqa: PLC0415 - a vLLM dependency
+
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+        me = psutil.Process()
+        own = 0.0
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                t = proc.cpu_times()
+                own += t.user + t.system
+            except psutil.Error:
+                pass
+        return busy, own
+    except Exception:  # noqa: BLE001 - diagnostics only
+        return None
+
+
+def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prepare-hf-dir", nargs=2, metavar=("WEIGHTS_DIR", "DEST"),
+                   help="only make DEST, an HF directory for vLLM, out of WEIGHTS_DIR; then exit")
+    p.add_argument("--model", help="HF model directory (see --prepare-hf-dir)")
+    p.add_argument("--requests", help="REQUESTS.json")
+    p.add_argument("--output", help="RESULTS.json to write")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "auto"])
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: the longest request (prompt + max_tokens), at least 256")
+    p.add_argument("--kv-cache-gib", type=float, default=4,
+                   help="KV cache size in GiB: VLLM_CPU_KVCACHE_SPACE when a whole number, "
+                        "else the engine argument kv_cache_memory_bytes")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's (256 on CPU)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="default: vLLM's (4096 on CPU)")
+    p.add_argument("--threads-bind", default=None,
+                   help="CPUs for the model's OpenMP threads, as VLLM_CPU_OMP_THREADS_BIND; "
+                        "default: every CPU this process may use (e.g. 0-1). With "
+                        "--engine-process mp, vLLM's 'auto' reserves a core for its scheduler "
+                        "process; 'nobind' pins nothing")
+    p.add_argument("--omp", choices=["iomp", "gomp"], default="iomp",
+                   help="OpenMP runtime: iomp = preload Intel's libiomp5 (vLLM CPU docs' advice), "
+                        "gomp = PyTorch's libgomp")
+    p.add_argument("--engine-process", choices=["inproc", "mp"], default="inproc",
+                   help="inproc (default, measured fastest here): vLLM's engine core and model "
+                        "run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), OpenMP threads "
+                        "pinned by us; mp: vLLM's default engine-core and worker processes, "
+                        "pinned by vLLM from VLLM_CPU_OMP_THREADS_BIND")
+    p.add_argument("--ttft", action="store_true",
+                   help="turn vLLM's stats on to report per-request ttft_s (costs a little)")
+    p.add_argument("--save-token-ids", action="store_true",
+                   help="also write output_token_ids (per request) to RESULTS.json, to check "
+                        "greedy outputs against another engine")
+    p.add_argument("--warmup-requests", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="time the full generate N times (prefix cache reset in between); "
+                        "elapsed_s is the median, every run is in elapsed_runs_s")
+    p.add_argument("--engine-args", default=None, metavar="JSON",
+                   help='more vllm.LLM keyword arguments, e.g. \'{"enforce_eager": true}\' '
+                        "(for experiments; recorded in settings)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if not args.prepare_hf_dir and not (args.model and args.requests and args.output):
+        p.error("--model, --requests and --output are required (or --prepare-hf-dir)")
+    return args
+
+
+def _setup_env(args: argparse.Namespace) -> dict:
+    for k, v in OFFLINE_ENV.items():
+        os.environ.setdefault(k, v)
+    bind = args.threads_bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or _cpu_range(_allowed_cpus())
+    if args.engine_process == "mp":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    else:
+        # One process: vLLM binds OpenMP threads only in the worker processes it starts, so do
+        # here what it would do there (vllm/utils/ompmultiprocessing.py), before torch loads.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        if bind != "nobind":
+            cpus = _allowed_cpus() if bind == "auto" else _parse_cpu_list(bind)
+            # Without it vLLM drops torch to 1 thread for "serving" (utils/torch_utils.py).
+            os.environ.setdefault("OMP_NUM_THREADS", str(len(cpus)))
+            if "libiomp" in os.environ.get("LD_PRELOAD", ""):
+                os.environ.setdefault("KMP_AFFINITY", "granularity=fine,explicit,proclist=["
+                                      + ",".join(map(str, cpus)) + "]")
+                os.environ.setdefault("KMP_BLOCKTIME", "5")
+                os.environ.setdefault("KMP_TPAUSE", "0")
+            else:
+                os.environ.setdefault("GOMP_CPU_AFFINITY", " ".join(map(str, cpus)))
+        else:
+            os.environ.setdefault("OMP_NUM_THREADS", str(len(_allowed_cpus())))
+    if float(args.kv_cache_gib).is_integer():
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.kv_cache_gib))
+    else:  # vLLM reads VLLM_CPU_KVCACHE_SPACE as an int and lets it override the engine arg
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    keys = sorted(set(OFFLINE_ENV) | {
+        "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU",
+        "VLLM_ENABLE_V1_MULTIPROCESSING", "LD_PRELOAD", "OMP_NUM_THREADS", "KMP_BLOCKTIME",
+        "KMP_AFFINITY", "KMP_TPAUSE", "GOMP_CPU_AFFINITY",
+    })
+    return {k: os.environ[k] for k in keys if k in os.environ}
+
+
+def run(args: argparse.Namespace) -> dict:
+    env_used = _setup_env(args)
+    with open(args.requests) as f:
+        requests = json.load(f)
+    if not requests:
+        raise SystemExit("vllm_runner: no requests")
+    longest = max(len(r["prompt_token_ids"]) + int(r["max_tokens"]) for r in requests)
+    max_model_len = args.max_model_len or max(256, longest)
+
+    import vllm  # noqa: PLC0415 - only inside vLLM's venv
+    from vllm import LLM, SamplingParams  # noqa: PLC0415
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+    engine_args = {
+        "model": os.path.abspath(args.model),
+        "tokenizer": os.path.abspath(args.model),
+        "dtype": args.dtype,
+        "max_model_len": max_model_len,
+        "seed": 0,
+        "disable_log_stats": not args.ttft,
+    }
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        engine_args["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
+    if args.max_num_seqs is not None:
+        engine_args["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens is not None:
+        engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.engine_args:
+        engine_args.update(json.loads(args.engine_args))
+    loadavg_before = os.getloadavg()
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_args)
+    startup_s = time.perf_counter() - t0
+
+    prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in r["prompt_token_ids"]]) for r in requests]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=int(r["max_tokens"]),
+                             detokenize=True) for r in requests]
+
+    # Warm-up on other token ids (no prefix-cache hits for the timed run), same prompt length.
+    n_warm = max(1, min(args.warmup_requests, len(requests)))
+    plen = len(requests[0]["prompt_token_ids"])
+    warm_prompts = [TokensPrompt(prompt_token_ids=[(17 + 31 * i + 7 * j) % 1000 + 10 for j in range(plen)])
+                    for i in range(n_warm)]
+    t0 = time.perf_counter()
+    llm.generate(warm_prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8),
+                 use_tqdm=False)
+    warmup_s = time.perf_counter() - t0
+
+    runs, other_cpu, own_cpu = [], [], []
+    for i in range(max(1, args.repeat)):
+        if i:
+            llm.reset_prefix_cache()
+        before = _cpu_snapshot()
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+        runs.append(time.perf_counter() - t0)
+        after = _cpu_snapshot()
+        if before and after:
+            # CPU seconds that other programs used during this run: > a few % of
+            # elapsed * cores means the measurement was disturbed.
+            other_cpu.append(round(max(0.0, (after[0] - before[0]) - (after[1] - before[1])), 2))
+            own_cpu.append(round(after[1] - before[1], 2))
+    elapsed = sorted(runs)[len(runs) // 2]
+
+    output_tokens = [sum(len(c.token_ids) for c in o.outputs) for o in outputs]
+    cfg = llm.llm_engine.vllm_config
+    comp = cfg.compilation_config
+    settings = {
+        "env": env_used,
+        "engine_args": engine_args,
+        "resolved": {
+            "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+            "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+            "enable_chunked_prefill": cfg.scheduler_config.enable_chunked_prefill,
+            "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
+            "block_size": cfg.cache_config.block_size,
+            "compilation_mode": getattr(comp.mode, "name", str(comp.mode)),
+            "compilation_backend": comp.backend,
+            "enforce_eager": cfg.model_config.enforce_eager,
+            "distributed_executor_backend": cfg.parallel_config.distributed_executor_backend,
+        },
+        "omp": args.omp,
+        "engine_process": args.engine_process,
+        "startup_s": round(startup_s, 3),
+        "warmup_s": round(warmup_s, 3),
+        "num_requests": len(requests),
+        "loadavg_before": [round(x, 2) for x in loadavg_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "other_processes_cpu_s": other_cpu,
+        "own_cpu_s": own_cpu,
+        "detokenize": True,
+        "sampling": "greedy (temperature 0), ignore_eos",
+    }
+    result = {
+        "elapsed_s": elapsed,
+        "elapsed_runs_s": runs,
+        "output_tokens": output_tokens,
+        "vllm_version": getattr(vllm, "__version__", "unknown"),
+        "settings": settings,
+    }
+    if args.save_token_ids:
+        result["output_token_ids"] = [[int(t) for t in o.outputs[0].token_ids] for o in outputs]
+    if args.ttft:
+        ttft = [getattr(o.metrics, "first_token_latency", None) if o.metrics is not None else None
+                for o in outputs]
+        if ttft and all(isinstance(t, (int, float)) and t > 0 for t in ttft):
+            result["ttft_s"] = ttft
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    if args.prepare_hf_dir:
+        print(hf_dir_for_vllm(*args.prepare_hf_dir))
+        return 0
+    if argv is None:
+        _reexec_with_preload(args.omp)
+    result = run(args)
+    tmp = args.output + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, args.output)
+    total = sum(result["output_tokens"])
+    print(f"vllm_runner: {total} output tokens in {result['elapsed_s']:.3f} s = "
+          f"{total / result['elapsed_s']:.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
