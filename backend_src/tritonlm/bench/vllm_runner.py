@@ -163,22 +163,21 @@ def _reexec_with_preload(omp: str) -> None:
     if os.environ.get(_REEXEC_MARK) == "1":
         return
     current = [p for p in os.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
-    wanted = []
+    needed = []  # (how to find it, what to say when it is missing)
     if not any("libtcmalloc" in p for p in current):
-        tcmalloc = _find_tcmalloc()
-        if tcmalloc:
-            wanted.append(tcmalloc)
-        else:
-            print("vllm_runner: libtcmalloc_minimal.so.4 not found (apt-get install "
-                  "libtcmalloc-minimal4); running without it", file=sys.stderr)
+        needed.append((_find_tcmalloc, "libtcmalloc_minimal.so.4 not found (apt-get install "
+                                       "libtcmalloc-minimal4); running without it"))
     has_omp = any(k in p for p in current for k in ("libiomp", "libomp", "libgomp"))
     if omp == "iomp" and not has_omp:
-        iomp = _find_iomp()
-        if iomp:
-            wanted.append(iomp)
+        needed.append((_find_iomp, "libiomp5.so not found in this venv (pip install "
+                                   "intel-openmp); vLLM will use PyTorch's libgomp"))
+    wanted = []
+    for find, missing in needed:
+        path = find()
+        if path:
+            wanted.append(path)
         else:
-            print("vllm_runner: libiomp5.so not found in this venv (pip install intel-openmp); "
-                  "vLLM will use PyTorch's libgomp", file=sys.stderr)
+            print(f"vllm_runner: {missing}", file=sys.stderr)
     if not wanted:
         return
     env = dict(os.environ)
