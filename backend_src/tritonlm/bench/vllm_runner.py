@@ -82,22 +82,21 @@ if __name__ == "__main__":
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
 
 import argparse  # noqa: E402
-import glob  # noqa: E402
+import importlib.util  # noqa: E402
 import json  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 
-_REEXEC_MARK = "TRITONLM_VLLM_RUNNER_REEXEC"
 
-OFFLINE_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "VLLM_DO_NOT_TRACK": "1",
-    "DO_NOT_TRACK": "1",
-}
+def _sibling(name: str):
+    """A module of this folder, loaded by path (the folder itself is kept off sys.path)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
+
+vllm_env = _sibling("vllm_env")
 
 def hf_dir_for_vllm(weights_dir: str, dest: str) -> str:
     """Fill ``dest`` with symlinks to every file of tritonlm's ``weights_dir`` (config.json,
@@ -124,120 +123,6 @@ def hf_dir_for_vllm(weights_dir: str, dest: str) -> str:
             os.remove(link)
         os.symlink(src, link)
     return dest
-
-
-# ----------------------------------------------------------------------------------------------
-# LD_PRELOAD re-exec
-
-
-def _find_tcmalloc() -> str | None:
-    try:
-        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            if line.strip().startswith("libtcmalloc_minimal.so.4 ") and "=>" in line:
-                path = line.split("=>")[-1].strip()
-                if os.path.exists(path):
-                    return path
-    except OSError:
-        pass
-    for pattern in (
-        "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-        "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
-        "/usr/lib64/libtcmalloc_minimal.so.4",
-        "/usr/lib/libtcmalloc_minimal.so.4",
-    ):
-        if os.path.exists(pattern):
-            return pattern
-    return None
-
-
-def _find_iomp() -> str | None:
-    hits = glob.glob(os.path.join(sys.prefix, "lib", "libiomp5.so"))
-    hits += glob.glob(os.path.join(sys.prefix, "lib", "python3*", "site-packages", "**", "libiomp5.so"),
-                      recursive=True)
-    return os.path.realpath(hits[0]) if hits else None
-
-
-def _reexec_with_preload(omp: str) -> None:
-    """Re-exec this script once with tcmalloc (and libiomp5 for omp == "iomp") in LD_PRELOAD."""
-    if os.environ.get(_REEXEC_MARK) == "1":
-        return
-    current = [p for p in os.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
-    needed = []  # (how to find it, what to say when it is missing)
-    if not any("libtcmalloc" in p for p in current):
-        needed.append((_find_tcmalloc, "libtcmalloc_minimal.so.4 not found (apt-get install "
-                                       "libtcmalloc-minimal4); running without it"))
-    has_omp = any(k in p for p in current for k in ("libiomp", "libomp", "libgomp"))
-    if omp == "iomp" and not has_omp:
-        needed.append((_find_iomp, "libiomp5.so not found in this venv (pip install "
-                                   "intel-openmp); vLLM will use PyTorch's libgomp"))
-    wanted = []
-    for find, missing in needed:
-        path = find()
-        if path:
-            wanted.append(path)
-        else:
-            print(f"vllm_runner: {missing}", file=sys.stderr)
-    if not wanted:
-        return
-    env = dict(os.environ)
-    env["LD_PRELOAD"] = ":".join(wanted + current)
-    env[_REEXEC_MARK] = "1"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
-
-
-def _allowed_cpus() -> list[int]:
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return list(range(os.cpu_count() or 1))
-
-
-def _parse_cpu_list(spec: str) -> list[int]:
-    """'0-1,4' -> [0, 1, 4]"""
-    cpus: list[int] = []
-    for part in spec.split(","):
-        part = part.strip()
-        if "-" in part:
-            lo, hi = part.split("-")
-            cpus.extend(range(int(lo), int(hi) + 1))
-        elif part:
-            cpus.append(int(part))
-    return cpus
-
-
-def _cpu_range(cpus: list[int]) -> str:
-    if cpus and cpus == list(range(cpus[0], cpus[-1] + 1)):
-        return f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0])
-    return ",".join(str(c) for c in cpus)
-
-
-# ----------------------------------------------------------------------------------------------
-# benchmark
-
-
-def _cpu_snapshot() -> tuple[float, float] | None:
-    """(CPU seconds used by the whole machine, by this process and its children), to tell how
-    much of the machine other programs took during a timed run (Linux + psutil only)."""
-    try:
-        import psutil  # noqa: PLC0415 - a vLLM dependency
-
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-        me = psutil.Process()
-        own = 0.0
-        for proc in [me, *me.children(recursive=True)]:
-            try:
-                t = proc.cpu_times()
-                own += t.user + t.system
-            except psutil.Error:
-                pass
-        return busy, own
-    except Exception:  # noqa: BLE001 - diagnostics only
-        return None
 
 
 def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -288,45 +173,8 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _setup_env(args: argparse.Namespace) -> dict:
-    for k, v in OFFLINE_ENV.items():
-        os.environ.setdefault(k, v)
-    bind = args.threads_bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or _cpu_range(_allowed_cpus())
-    if args.engine_process == "mp":
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
-    else:
-        # One process: vLLM binds OpenMP threads only in the worker processes it starts, so do
-        # here what it would do there (vllm/utils/ompmultiprocessing.py), before torch loads.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-        if bind != "nobind":
-            cpus = _allowed_cpus() if bind == "auto" else _parse_cpu_list(bind)
-            # Without it vLLM drops torch to 1 thread for "serving" (utils/torch_utils.py).
-            os.environ.setdefault("OMP_NUM_THREADS", str(len(cpus)))
-            if "libiomp" in os.environ.get("LD_PRELOAD", ""):
-                os.environ.setdefault("KMP_AFFINITY", "granularity=fine,explicit,proclist=["
-                                      + ",".join(map(str, cpus)) + "]")
-                os.environ.setdefault("KMP_BLOCKTIME", "5")
-                os.environ.setdefault("KMP_TPAUSE", "0")
-            else:
-                os.environ.setdefault("GOMP_CPU_AFFINITY", " ".join(map(str, cpus)))
-        else:
-            os.environ.setdefault("OMP_NUM_THREADS", str(len(_allowed_cpus())))
-    if float(args.kv_cache_gib).is_integer():
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.kv_cache_gib))
-    else:  # vLLM reads VLLM_CPU_KVCACHE_SPACE as an int and lets it override the engine arg
-        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    keys = sorted(set(OFFLINE_ENV) | {
-        "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU",
-        "VLLM_ENABLE_V1_MULTIPROCESSING", "LD_PRELOAD", "OMP_NUM_THREADS", "KMP_BLOCKTIME",
-        "KMP_AFFINITY", "KMP_TPAUSE", "GOMP_CPU_AFFINITY",
-    })
-    return {k: os.environ[k] for k in keys if k in os.environ}
-
-
 def run(args: argparse.Namespace) -> dict:
-    env_used = _setup_env(args)
+    env_used = vllm_env.setup_env(args)
     with open(args.requests) as f:
         requests = json.load(f)
     if not requests:
@@ -378,11 +226,11 @@ def run(args: argparse.Namespace) -> dict:
     for i in range(max(1, args.repeat)):
         if i:
             llm.reset_prefix_cache()
-        before = _cpu_snapshot()
+        before = vllm_env.cpu_snapshot()
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
         runs.append(time.perf_counter() - t0)
-        after = _cpu_snapshot()
+        after = vllm_env.cpu_snapshot()
         if before and after:
             # CPU seconds that other programs used during this run: > a few % of
             # elapsed * cores means the measurement was disturbed.
@@ -442,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         print(hf_dir_for_vllm(*args.prepare_hf_dir))
         return 0
     if argv is None:
-        _reexec_with_preload(args.omp)
+        vllm_env.reexec_with_preload(__file__, args.omp)
     result = run(args)
     tmp = args.output + ".tmp"
     with open(tmp, "w") as f:
