@@ -26,3 +26,14 @@ def test_bloom_matches_transformers(tmp_path, smollm2_tokenizer, variant):
 @pytest.mark.parametrize("num_heads", [4, 6, 12, 16])
 def test_bloom_slopes_equal_transformers(num_heads):
     assert torch.equal(bloom_slopes(num_heads), _get_alibi_slopes(num_heads, "cpu"))
+
+
+def test_many_decodes_of_mixed_lengths_grouped_by_context(tmp_path, smollm2_tokenizer):
+    # 24 rows of 1..47 prompt tokens: decode steps split them into context-length groups, each
+    # with its own ALiBi distances.
+    config = BloomConfig(**TINY, vocab_size=len(smollm2_tokenizer))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, config.vocab_size, (n,), generator=g).tolist()
+               for n in range(1, 48, 2)]
+    assert_matches_transformers(tmp_path, BloomForCausalLM, config, smollm2_tokenizer,
+                                prompts=prompts, new_tokens=8)

@@ -102,3 +102,22 @@ def test_step_lengths_per_token(use_flash):
     meta = build_metadata(layout, AttentionSpec(num_kv_heads=1), use_flash, torch.from_numpy)
     lengths = step_lengths(torch.from_numpy(positions), meta)
     assert lengths.tolist() == [10, 8, 8, 8, 8, 8, 2, 2]
+
+
+def test_many_decodes_of_mixed_lengths_grouped_by_context(tmp_path, smollm2_tokenizer):
+    # The grouping itself: 32 decode rows with contexts 5..160 gather K/V in length groups, not
+    # all padded to 160 (10 blocks of 16).
+    lens, starts = np.ones(32, dtype=np.int64), np.arange(4, 160, 5, dtype=np.int64)
+    tables = np.arange(32 * 10, dtype=np.int64).reshape(32, 10)
+    layout = StepLayout(lens, starts, np.arange(32), starts.copy(), tables, 16)
+    meta = build_metadata(layout, AttentionSpec(num_kv_heads=2), False, torch.from_numpy)
+    assert len(meta.decode) > 1
+    assert sorted(i for rows in meta.decode for i in rows.token_index.tolist()) == list(range(32))
+    assert meta.decode[0].blocks.shape[-1] < 10 and meta.decode[-1].blocks.shape[-1] == 10
+    # And greedy tokens over such groups equal transformers'.
+    config = tiny_config(LlamaConfig, smollm2_tokenizer)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, config.vocab_size, (n,), generator=g).tolist()
+               for n in range(1, 48, 2)]
+    assert_matches_transformers(tmp_path, LlamaForCausalLM, config, smollm2_tokenizer,
+                                prompts=prompts, new_tokens=8)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tritonlm.layers.attention_metadata import AttentionMetadata
+from tritonlm.layers.attention_metadata import AttentionMetadata, DecodeRows
 from tritonlm.layers.kv_cache import LayerKV
 
 try:  # flash-attn is an optional GPU extra
@@ -76,11 +76,11 @@ class PagedAttention(nn.Module):
         if self.use_flash:
             return self._flash(q, meta)
         q = self.kv.rotate(q)
-        if meta.prefill_token_index is None:  # decodes only: token i is row i
-            return self.kv.unrotate(self._decode(q, meta))
+        if meta.prefill_token_index is None and len(meta.decode) == 1:
+            return self.kv.unrotate(self._decode(q, meta.decode[0]))  # token i is row i
         out = torch.empty_like(q)
-        if meta.decode_token_index is not None:
-            out[meta.decode_token_index] = self._decode(q[meta.decode_token_index], meta)
+        for rows in meta.decode:
+            out[rows.token_index] = self._decode(q[rows.token_index], rows)
         if meta.prefill_token_index is not None:
             q_rows = q[meta.prefill_token_index]  # [Bp, Qp, Hq, D]
             keys, values = self.kv.gather(meta.prefill_blocks, q.dtype)
@@ -95,17 +95,17 @@ class PagedAttention(nn.Module):
             out[meta.prefill_token_index[valid]] = o[valid]
         return self.kv.unrotate(out)
 
-    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, decode: DecodeRows) -> torch.Tensor:
         # One query per row: two batched matmuls beat SDPA's CPU kernels (bf16 most of all).
         rows, group = q.shape[0], self.num_heads // self.num_kv_heads
-        keys, values = self.kv.gather(meta.decode_blocks, q.dtype)
+        keys, values = self.kv.gather(decode.blocks, q.dtype)
         q = q.view(rows, self.num_kv_heads, group, self.head_dim)
         # keys @ q^T keeps the large operand untransposed (a transposed one is copied on CPU).
         scores = torch.matmul(keys, q.transpose(-1, -2)).float() * self.scale  # [B, Hkv, L, G]
         if self.position_bias is not None:  # [B, H, L] -> [B, Hkv, L, G]
-            bias = self.position_bias(meta.decode_distance)
+            bias = self.position_bias(decode.distance)
             scores += bias.view(rows, self.num_kv_heads, group, -1).transpose(-1, -2)
-        scores.masked_fill_(~meta.decode_mask, float("-inf"))
+        scores.masked_fill_(~decode.mask, float("-inf"))
         probs = torch.softmax(scores, dim=-2).to(q.dtype)
         out = torch.matmul(probs.transpose(-1, -2), values)  # [B, Hkv, G, D]
         return out.view(rows, self.num_heads, self.head_dim)

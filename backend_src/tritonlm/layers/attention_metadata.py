@@ -15,15 +15,22 @@ class EncoderBatch:
 
 
 @dataclass
+class DecodeRows:
+    """Rows with a single query token (decodes) of similar context lengths: their K/V are
+    gathered padded to the longest of them, not to the batch's longest."""
+    token_index: torch.Tensor  # [Bd]
+    blocks: torch.Tensor  # [Bd, Hkv, nb] rows of the [blocks * Hkv, bs, D] view
+    mask: torch.Tensor  # [Bd, 1, nb * bs, 1], True where a key is visible
+    distance: torch.Tensor | None = None  # [Bd, nb * bs] key minus query position
+
+
+@dataclass
 class AttentionMetadata:
     """Where this step's K/V go in the cache and which cached tokens each query sees."""
     # PyTorch backend: rows of the cache viewed [num_blocks * Hkv * bs, D] for each new (token, head).
     write_rows: torch.Tensor | None = None  # [T * Hkv]
-    # Rows with a single query token (decodes).
-    decode_token_index: torch.Tensor | None = None  # [Bd]
-    decode_blocks: torch.Tensor | None = None  # [Bd, Hkv, nb] rows of the [blocks * Hkv, bs, D] view
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, nb * bs, 1], True where a key is visible
-    decode_distance: torch.Tensor | None = None  # [Bd, nb * bs] key minus query position
+    # Rows with a single query token (decodes), grouped by context length.
+    decode: "list[DecodeRows]" = field(default_factory=list)
     # Rows with several query tokens (prefill chunks), padded to the longest.
     prefill_token_index: torch.Tensor | None = None  # [Bp, Qp]
     prefill_token_valid: torch.Tensor | None = None  # [Bp, Qp]
@@ -80,16 +87,14 @@ def build_metadata(layout: StepLayout, spec: AttentionSpec, use_flash: bool,
                                                     layout.block_size, spec.num_kv_heads, False))
     context = layout.context
     decode = layout.lens == 1
-    if decode.any():
-        blocks, keys = _context_blocks(layout, decode, heads)
-        query_pos = layout.starts[decode][:, None]  # [Bd, 1]
+    for rows in _length_groups(np.flatnonzero(decode), context):
+        blocks, keys = _context_blocks(layout, rows, heads)
+        query_pos = layout.starts[rows][:, None]  # [Bd, 1]
         distance = keys[None, :] - query_pos
-        visible = _visible(distance, keys[None, :] < context[decode][:, None], spec)
-        meta.decode_token_index = to_tensor(layout.first[decode])
-        meta.decode_blocks = to_tensor(blocks)
-        meta.decode_mask = to_tensor(visible[:, None, :, None])
-        if spec.needs_distances:
-            meta.decode_distance = to_tensor(distance)
+        visible = _visible(distance, keys[None, :] < context[rows][:, None], spec)
+        meta.decode.append(DecodeRows(
+            to_tensor(layout.first[rows]), to_tensor(blocks), to_tensor(visible[:, None, :, None]),
+            to_tensor(distance) if spec.needs_distances else None))
     prefill = ~decode
     if prefill.any():
         blocks, keys = _context_blocks(layout, prefill, heads)
@@ -107,6 +112,22 @@ def build_metadata(layout: StepLayout, spec: AttentionSpec, use_flash: bool,
         if spec.needs_distances:
             meta.prefill_distance = to_tensor(distance)
     return meta
+
+
+def _length_groups(rows: np.ndarray, context: np.ndarray, max_groups: int = 4,
+                   min_rows: int = 8) -> list[np.ndarray]:
+    """Decode rows in batch order, or split by context length into up to `max_groups` groups
+    when that cuts the padded K/V the step gathers by a quarter or more."""
+    if len(rows) == 0:
+        return []
+    groups = np.array_split(rows[np.argsort(context[rows], kind="stable")],
+                            min(max_groups, max(1, len(rows) // min_rows)))
+
+    def padded(group):
+        return len(group) * int(context[group].max())
+    if len(groups) == 1 or sum(padded(g) for g in groups) > 0.75 * padded(rows):
+        return [rows]
+    return groups
 
 
 def write_locations(tables: np.ndarray, lens: np.ndarray, positions: np.ndarray, block_size: int,
