@@ -158,7 +158,7 @@ def bench_serve(args, model_dir, requests) -> tuple[list[dict], dict | None]:
     from tritonlm.serve import TritonServerProcess
     model_dir = Path(model_dir)
     model = args.served_model or model_dir.name
-    server = None
+    server = log = None
     url = args.url
     if url is None:
         http, grpc, metrics_port = _free_ports(3)
@@ -194,6 +194,7 @@ def bench_serve(args, model_dir, requests) -> tuple[list[dict], dict | None]:
     finally:
         if server is not None:
             server.stop()
+            log.close()
 
 
 def bench_hf(args, model_dir, requests, dtype: str) -> dict:
