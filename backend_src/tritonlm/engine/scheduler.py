@@ -53,7 +53,8 @@ class Scheduler:
             # Prompt blocks that running prefills are about to compute: a request needing one
             # waits for it to reach the prefix cache rather than compute it a second time.
             in_flight = {h for s in self.running
-                         for h in self.block_manager.pending_block_hashes(s)}
+                         for h in self.block_manager.pending_block_hashes(s)} \
+                if self.waiting else set()
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
                 encoding = 0 if seq.encoder_computed else len(seq.encoder_token_ids or ())
