@@ -258,15 +258,38 @@ def test_gptq_measures_each_layer_on_the_quantized_layers_before_it(tmp_path, sm
         assert same > 0.99, f"{name}: {same:.1%} of the packed values agree"
 
 
+def grid_rounding(weight: torch.Tensor, grid: Grid, size: int) -> torch.Tensor:
+    """Each group of `size` consecutive columns rounded to nearest on the grid fit for it."""
+    groups = []
+    for group in weight.split(size, dim=1):
+        scale, zero = grid.fit(group)
+        groups.append(grid.dequantize(grid.round(group, scale[:, None], zero[:, None]),
+                                      scale[:, None], zero[:, None]))
+    return torch.cat(groups, dim=1)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gptq_rounds_to_nearest_when_inputs_are_uncorrelated(bits):
     """With H = I there is no other column to carry an error to."""
     weight = torch.randn(48, 64, generator=torch.Generator().manual_seed(0))
     grid = Grid(bits, symmetric=bits == 8)
-    storage = gptq_round(weight, torch.eye(64), grid, 32 if bits == 4 else -1).storage(grid)
+    size = 32 if bits == 4 else -1
+    storage = gptq_round(weight, torch.eye(64), grid, size).storage(grid)
     torch.testing.assert_close(dequantize(**{"biases": None, **storage}, dtype=torch.float32),
-                               round_to_nearest(weight, bits, 32 if bits == 4 else -1),
-                               atol=1e-6, rtol=0)
+                               grid_rounding(weight, grid, 32 if bits == 4 else 64), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_grid_ranges_fit_closer_than_the_full_range(bits):
+    """Clipping the extremes of heavy-tailed weights (Student t) cuts the squared rounding error
+    below that of the min/max (absmax) grid: by a tenth at 4 bits, a little at 8."""
+    torch.manual_seed(0)
+    weight = torch.distributions.StudentT(3.0).sample((64, 128))
+    grid = Grid(bits, symmetric=bits == 8)
+    fitted = (grid_rounding(weight, grid, 128) - weight).square().sum(1)
+    full = (round_to_nearest(weight, bits, 128) - weight).square().sum(1)
+    assert fitted.sum() < (0.9 if bits == 4 else 0.995) * full.sum()
+    assert (fitted <= full * (1 + 1e-6)).float().mean() > 0.85
 
 
 def test_fused_parts_quantized_in_different_column_groups_are_refused(tmp_path, smollm2_tokenizer):

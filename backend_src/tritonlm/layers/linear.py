@@ -76,6 +76,9 @@ class _ShardedLinear(nn.Linear):
         return self.packed.to_dense() if self.packed is not None else self.weight
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        quantized = getattr(self, QUANTIZED, None)
+        if quantized is not None:
+            return quantized.matmul(x, bias)
         if self.packed is not None:
             return cpu_gemm.packed_linear(x, self.packed, bias)
         return F.linear(x, self.dense_weight(x.dtype), bias)

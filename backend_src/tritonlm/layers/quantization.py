@@ -1,7 +1,8 @@
 """Weight-only quantized storage for linear layers: int8 or packed int4 values with per-group
 float scales and optional biases (w = q * scale + bias), and the group of every input column
-(`g_idx`, so act-order GPTQ needs no reordering). A layer dequantizes its own weight for each
-matmul, so the full-precision model never exists in memory.
+(`g_idx`, so act-order GPTQ needs no reordering). A layer multiplies with a fused kernel where
+one takes its layout (quantized_matmul.py), else dequantizes its weight for each matmul; the
+full-precision model never exists in memory.
 
 Layouts (all row-major over output features):
 - `qweight`: int8 [out, in] (8 bits) or uint8 [out, in / 2] (4 bits; column 2j in the low nibble).
@@ -10,7 +11,10 @@ Layouts (all row-major over output features):
 """
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from tritonlm.layers import quantized_matmul
 
 QUANTIZED = "quantized"
 _UNKNOWN = object()  # the submodule name under a linear layer that holds its quantized weight
@@ -74,12 +78,35 @@ class QuantizedWeight(nn.Module):
                        if has_biases else None)
         self.g_idx = nn.Parameter(torch.empty(in_features, dtype=torch.int32), requires_grad=False)
         self.group_size = _UNKNOWN
+        self.fused = _UNKNOWN
 
     def forward(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized weight."""
         if self.group_size is _UNKNOWN:  # settled once the weights are loaded
             self.group_size = uniform_group_size(self.g_idx, self.scales.shape[1])
         return dequantize(self.qweight, self.scales, self.biases, self.g_idx, dtype,
                           self.group_size)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.fused is _UNKNOWN:  # chosen on first use, once the weights are loaded
+            self._choose_fused(x.dtype)
+        if self.fused is None:
+            return F.linear(x, self(x.dtype), bias)
+        out = self.fused(x)
+        return out + bias if bias is not None else out
+
+    def _choose_fused(self, dtype: torch.dtype) -> None:
+        args = (self.qweight, self.scales, self.biases, self.g_idx)
+        self.fused = (quantized_matmul.cuda_matmul(*args)
+                      or quantized_matmul.cpu_matmul(self.qweight, self.values, *args[1:], dtype))
+        if isinstance(self.fused, quantized_matmul.Int4Groups):  # holds its own copy
+            empty = torch.empty(0)
+            self.qweight, self.scales = nn.Parameter(empty.to(torch.uint8), False), None
+            self.biases = None
+
+    def values(self) -> torch.Tensor:
+        """The integer weight [out, in]."""
+        return unpack_int4(self.qweight) if self.qweight.dtype == torch.uint8 else self.qweight
 
     def shard_parts(self, leaf: str, part_sizes: list[int]) -> list[tuple[int, np.ndarray] | None]:
         """This rank's cut of each checkpoint part (parts of a fused layer stack on dim 0;
