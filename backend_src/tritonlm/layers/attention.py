@@ -58,6 +58,7 @@ class PagedAttention(nn.Module):
         self.causal = causal
         self.kv_slot = kv_slot
         self.use_flash = False
+        self.decode_kernel = None  # the CPU paged-attention extension, when the runner uses it
         # Assigned by the model runner once the cache is allocated.
         self.kv = LayerKV(torch.empty(0), torch.empty(0))
 
@@ -96,6 +97,12 @@ class PagedAttention(nn.Module):
         return self.kv.unrotate(out)
 
     def _decode(self, q: torch.Tensor, decode: DecodeRows) -> torch.Tensor:
+        if decode.context_lens is not None:  # the CPU kernel reads the blocks where they are
+            block_size, head_dim = self.kv.key.shape[-2:]
+            return self.decode_kernel.decode_attention(
+                q.contiguous(), self.kv.key.view(-1, block_size, head_dim),
+                self.kv.value.view(-1, block_size, head_dim), decode.blocks, decode.context_lens,
+                self.scale, getattr(self.position_bias, "slopes", None), self.sliding_window or 0)
         # One query per row: two batched matmuls beat SDPA's CPU kernels (bf16 most of all).
         rows, group = q.shape[0], self.num_heads // self.num_kv_heads
         keys, values = self.kv.gather(decode.blocks, q.dtype)

@@ -16,12 +16,14 @@ class EncoderBatch:
 
 @dataclass
 class DecodeRows:
-    """Rows with a single query token (decodes) of similar context lengths: their K/V are
-    gathered padded to the longest of them, not to the batch's longest."""
+    """Rows with a single query token (decodes). The PyTorch path gathers their K/V padded to
+    the longest of them (rows of similar context lengths are grouped, not padded to the batch's
+    longest) and masks; the CPU kernel reads the blocks in place up to each row's context."""
     token_index: torch.Tensor  # [Bd]
     blocks: torch.Tensor  # [Bd, Hkv, nb] rows of the [blocks * Hkv, bs, D] view
-    mask: torch.Tensor  # [Bd, 1, nb * bs, 1], True where a key is visible
+    mask: torch.Tensor | None = None  # [Bd, 1, nb * bs, 1], True where a key is visible
     distance: torch.Tensor | None = None  # [Bd, nb * bs] key minus query position
+    context_lens: torch.Tensor | None = None  # [Bd] keys per row, for the CPU kernel
 
 
 @dataclass
@@ -77,7 +79,9 @@ class AttentionSpec:
 
 
 def build_metadata(layout: StepLayout, spec: AttentionSpec, use_flash: bool,
-                   to_tensor: Callable[[np.ndarray], torch.Tensor]) -> AttentionMetadata:
+                   to_tensor: Callable[[np.ndarray], torch.Tensor],
+                   decode_kernel: bool = False) -> AttentionMetadata:
+    """`decode_kernel`: decode rows are for the CPU kernel (layers/cpu_attention_kernel.py)."""
     if use_flash:
         return _flash_metadata(layout, spec, to_tensor)
     heads = np.arange(spec.num_kv_heads)
@@ -87,7 +91,12 @@ def build_metadata(layout: StepLayout, spec: AttentionSpec, use_flash: bool,
                                                     layout.block_size, spec.num_kv_heads, False))
     context = layout.context
     decode = layout.lens == 1
-    for rows in _length_groups(np.flatnonzero(decode), context):
+    decode_rows = np.flatnonzero(decode)
+    if decode_kernel and len(decode_rows):
+        meta.decode.append(DecodeRows(to_tensor(layout.first[decode_rows]),
+                                      to_tensor(_context_blocks(layout, decode_rows, heads)[0]),
+                                      context_lens=to_tensor(context[decode_rows])))
+    for rows in [] if decode_kernel else _length_groups(decode_rows, context):
         blocks, keys = _context_blocks(layout, rows, heads)
         query_pos = layout.starts[rows][:, None]  # [Bd, 1]
         distance = keys[None, :] - query_pos

@@ -1,0 +1,532 @@
+// Paged decode attention on CPU: one query token per sequence, K/V read where they lie in the
+// paged cache (no gather), float32 accumulation with a streaming (online) softmax per block.
+//
+// Layout (tritonlm's PyTorch backend): a layer's key/value caches [num_blocks, Hkv, bs, D] viewed
+// as [R = num_blocks * Hkv, bs, D]; block_rows[b, h, j] is the row holding keys j*bs .. j*bs+bs-1
+// of sequence b for kv head h. Query heads h*G .. h*G+G-1 (G = Hq / Hkv) share kv head h; they are
+// processed together so each K/V row is loaded once for the whole group (GQA / MQA).
+//
+// Built with -march=native (tritonlm/layers/cpu_attention_kernel.py): at::vec's AVX512 / AVX2
+// specialisations are enabled below when the compiler targets them, else its generic code runs.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#endif
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int W = Vec::size();
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline Vec load_float(const float* p) { return Vec::loadu(p); }
+inline Vec load_float(const c10::BFloat16* p) {
+  Vec out;
+  at::vec::load_fp32_from_bf16(p, out);
+  return out;
+}
+inline Vec load_float(const c10::Half* p) {
+  Vec out;
+  at::vec::load_fp32_from_fp16(p, out);
+  return out;
+}
+
+// n contiguous values to float32.
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) load_float(src + i).store(dst + i);
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// Dot product of a and b over D (kD > 0: D known at compile time, loops fully unrolled).
+template <int kD>
+inline float dot(const float* a, const float* b, int runtime_d) {
+  const int n = kD > 0 ? kD : runtime_d;
+  Vec acc0(0.f), acc1(0.f);
+  int d = 0;
+  for (; d + 2 * W <= n; d += 2 * W) {
+    acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
+    acc1 = at::vec::fmadd(Vec::loadu(a + d + W), Vec::loadu(b + d + W), acc1);
+  }
+  if (d + W <= n) {
+    acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
+    d += W;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc0 + acc1);
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+// acc[0:D] = acc * alpha + sum_t p[t] * v[t, 0:D] for n rows v of D floats (row stride D).
+// D is walked in chunks of up to 4 vectors held in registers across the rows.
+template <int kD>
+inline void accumulate(float* acc, float alpha, const float* p, const float* v, int n,
+                       int runtime_d) {
+  const int D = kD > 0 ? kD : runtime_d;
+  constexpr int C = 4;
+  const Vec valpha(alpha);
+  int d = 0;
+  for (; d + C * W <= D; d += C * W) {
+    Vec a[C];
+    for (int i = 0; i < C; ++i) a[i] = Vec::loadu(acc + d + i * W) * valpha;
+    for (int t = 0; t < n; ++t) {
+      const Vec pt(p[t]);
+      const float* row = v + static_cast<int64_t>(t) * D + d;
+      for (int i = 0; i < C; ++i) a[i] = at::vec::fmadd(pt, Vec::loadu(row + i * W), a[i]);
+    }
+    for (int i = 0; i < C; ++i) a[i].store(acc + d + i * W);
+  }
+  for (; d + W <= D; d += W) {
+    Vec a = Vec::loadu(acc + d) * valpha;
+    for (int t = 0; t < n; ++t)
+      a = at::vec::fmadd(Vec(p[t]), Vec::loadu(v + static_cast<int64_t>(t) * D + d), a);
+    a.store(acc + d);
+  }
+  for (; d < D; ++d) {
+    float a = acc[d] * alpha;
+    for (int t = 0; t < n; ++t) a += p[t] * v[static_cast<int64_t>(t) * D + d];
+    acc[d] = a;
+  }
+}
+
+// p[0:n] = exp(s[0:n] - max); returns their sum.
+inline float exp_sum(const float* s, float* p, int n, float max) {
+  const Vec vmax(max);
+  Vec vsum(0.f);
+  int t = 0;
+  for (; t + W <= n; t += W) {
+    Vec e = (Vec::loadu(s + t) - vmax).exp_u20();
+    e.store(p + t);
+    vsum = vsum + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+  if (t < n) {
+    Vec e = (Vec::loadu(s + t, n - t) - vmax).exp_u20();
+    e.store(p + t, n - t);
+    for (int i = t; i < n; ++i) sum += p[i];
+  }
+  return sum;
+}
+
+inline void prefetch_rows(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+
+struct Scratch {
+  std::vector<float> q, acc, scores, probs, keys, values, max, sum;
+  Scratch(int64_t G, int64_t D, int64_t bs)
+      : q(G * D), acc(G * D), scores(G * std::max<int64_t>(bs, 16)),
+        probs(G * std::max<int64_t>(bs, 16)), keys(bs * D), values(bs * D),
+        max(G), sum(G) {}
+};
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// bfloat16 on CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids and later), keys 16 at a time:
+// - q.k straight from the bf16 cache with vdpbf16ps (exact products, float32 sums), the 16 keys'
+//   dot products reduced together;
+// - a lazy online softmax: the running maximum moves (and the sums are rescaled) only when a
+//   score exceeds it by more than kLazyMax, so most blocks need no horizontal max or exp of a
+//   scalar; probabilities stay below e^kLazyMax and their sums are kept per lane;
+// - P.V with vdpbf16ps on the probabilities rounded to bfloat16 (as PyTorch's bf16 path rounds
+//   them) against pairs of V rows, float32 accumulators held in registers for up to 4 heads.
+//   The accumulators hold each 32 features in the order the pair interleaving gives them
+//   (d = 8L+i in lane 4L+i of the first 16, d = 8L+4+i in lane 4L+i of the next 16), put back
+//   in order at the end.
+#define TRITONLM_AVX512_BF16 1
+
+constexpr float kLazyMax = 8.f;
+
+// Lane t of the result: the sum of v[t]'s 16 lanes (a lane never mixes with another vector's).
+inline __m512 reduce16(const __m512* v) {
+  __m512 l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    l1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                          _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: [a, b, c, d] (that lane's sums)
+    l2[i] = _mm512_add_ps(_mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0x44),
+                          _mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)  // [abcd lanes 0+1, abcd lanes 2+3, efgh 0+1, efgh 2+3]
+    l3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], 0x88),
+                          _mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(l3[0], l3[1], 0x88),
+                       _mm512_shuffle_f32x4(l3[0], l3[1], 0xDD));
+}
+
+// For heads g < GT: acc[g, d0:d0+32] = acc * alpha[g] + sum over valid rows t of
+// p[g, t] * v[t, d0:d0+32] (rows lo..hi-1; the other rows of a pair are read as zeros, so stale
+// cache contents, even inf or NaN, never reach the sums).
+template <int GT, int kD>
+inline void accumulate_bf16(float* acc, const float* alpha, const uint16_t* p, const uint16_t* v,
+                            int lo, int hi, int d0) {
+  __m512 a[GT][2];
+  for (int g = 0; g < GT; ++g) {
+    const __m512 al = _mm512_set1_ps(alpha[g]);
+    a[g][0] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * kD + d0), al);
+    a[g][1] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * kD + d0 + 16), al);
+  }
+  for (int t = lo & ~1; t < hi; t += 2) {
+    const __m512i ra = _mm512_maskz_loadu_epi32(t >= lo ? 0xFFFF : 0, v + t * kD + d0);
+    const __m512i rb = _mm512_maskz_loadu_epi32(t + 1 < hi ? 0xFFFF : 0, v + (t + 1) * kD + d0);
+    const __m512bh lo_pairs = (__m512bh)_mm512_unpacklo_epi16(ra, rb);
+    const __m512bh hi_pairs = (__m512bh)_mm512_unpackhi_epi16(ra, rb);
+    for (int g = 0; g < GT; ++g) {
+      uint32_t pair;
+      std::memcpy(&pair, p + g * 16 + t, sizeof(pair));
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      a[g][0] = _mm512_dpbf16_ps(a[g][0], pp, lo_pairs);
+      a[g][1] = _mm512_dpbf16_ps(a[g][1], pp, hi_pairs);
+    }
+  }
+  for (int g = 0; g < GT; ++g) {
+    _mm512_storeu_ps(acc + g * kD + d0, a[g][0]);
+    _mm512_storeu_ps(acc + g * kD + d0 + 16, a[g][1]);
+  }
+}
+
+// kD % 32 == 0 and bs % 16 == 0.
+template <int kD>
+void attend_group_bf16(const c10::BFloat16* q_, const c10::BFloat16* key_cache_,
+                       const c10::BFloat16* value_cache_, const int64_t* rows, int64_t context,
+                       const float* slopes, int64_t window, float scale, int64_t G, int64_t bs,
+                       c10::BFloat16* out, Scratch& s) {
+  static_assert(kD % 32 == 0, "head dim must be a multiple of 32");
+  constexpr int QV = kD / 32;  // 512-bit registers of bf16 per head
+  const auto* q = reinterpret_cast<const uint16_t*>(q_);
+  const auto* key_cache = reinterpret_cast<const uint16_t*>(key_cache_);
+  const auto* value_cache = reinterpret_cast<const uint16_t*>(value_cache_);
+  if (context <= 0) {
+    for (int64_t i = 0; i < G * kD; ++i) out[i] = c10::BFloat16(0.f);
+    return;
+  }
+  const int64_t query_pos = context - 1;
+  const int64_t first_key = window > 0 ? std::max<int64_t>(0, query_pos - window + 1) : 0;
+  std::fill(s.acc.begin(), s.acc.end(), 0.f);
+  std::fill(s.max.begin(), s.max.end(), kNegInf);
+  float* sums = s.scores.data();  // [G, 16]: per-lane sums of the probabilities
+  std::fill(sums, sums + G * 16, 0.f);
+  float* alpha = s.sum.data();    // [G]: this chunk's rescaling of the running sums
+  auto* probs = reinterpret_cast<uint16_t*>(s.probs.data());  // [G, 16] bf16
+  const int64_t block_elems = bs * kD;
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const int64_t last_block = (context - 1) / bs;
+
+  for (int64_t j = first_key / bs; j <= last_block; ++j) {
+    if (j < last_block) {  // the next block's rows, elsewhere in the cache (10% off cold reads)
+      prefetch_rows(key_cache + rows[j + 1] * block_elems, block_elems * 2);
+      prefetch_rows(value_cache + rows[j + 1] * block_elems, block_elems * 2);
+    }
+    for (int64_t c = 0; c < bs; c += 16) {
+      const int64_t base = j * bs + c;
+      const int lo = static_cast<int>(std::max<int64_t>(first_key - base, 0));
+      const int hi = static_cast<int>(std::min<int64_t>(context - base, 16));
+      if (lo >= hi) continue;
+      const uint16_t* k = key_cache + rows[j] * block_elems + c * kD;
+      const uint16_t* v = value_cache + rows[j] * block_elems + c * kD;
+      const __mmask16 valid = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+      const __m512 distance =
+          _mm512_add_ps(iota, _mm512_set1_ps(static_cast<float>(base - query_pos)));
+      for (int64_t g = 0; g < G; ++g) {
+        __m512i qv[QV];
+        for (int i = 0; i < QV; ++i) qv[i] = _mm512_loadu_si512(q + g * kD + i * 32);
+        __m512 part[16];
+        for (int t = 0; t < 16; ++t) {  // all 16 rows: the invalid lanes are replaced below
+          __m512 a = _mm512_setzero_ps();
+          for (int i = 0; i < QV; ++i)
+            a = _mm512_dpbf16_ps(a, (__m512bh)qv[i],
+                                 (__m512bh)_mm512_loadu_si512(k + t * kD + i * 32));
+          part[t] = a;
+        }
+        __m512 sc = _mm512_mul_ps(reduce16(part), vscale);
+        if (slopes != nullptr) sc = _mm512_fmadd_ps(_mm512_set1_ps(slopes[g]), distance, sc);
+        sc = _mm512_mask_blend_ps(valid, neg_inf, sc);
+        alpha[g] = 1.f;
+        if (_mm512_cmp_ps_mask(sc, _mm512_set1_ps(s.max[g] + kLazyMax), _CMP_GT_OQ)) {
+          const float new_max = _mm512_reduce_max_ps(sc);
+          alpha[g] = std::exp(s.max[g] - new_max);  // 0 on the first chunk
+          s.max[g] = new_max;
+          _mm512_storeu_ps(sums + g * 16,
+                           _mm512_mul_ps(_mm512_loadu_ps(sums + g * 16), _mm512_set1_ps(alpha[g])));
+        }
+        const __m512 p = _mm512_maskz_mov_ps(
+            valid, Vec(_mm512_sub_ps(sc, _mm512_set1_ps(s.max[g]))).exp_u20());
+        _mm512_storeu_ps(sums + g * 16, _mm512_add_ps(_mm512_loadu_ps(sums + g * 16), p));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + g * 16),
+                            (__m256i)_mm512_cvtneps_pbh(p));
+      }
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        float* acc = s.acc.data() + g0 * kD;
+        const float* a = alpha + g0;
+        const uint16_t* p = probs + g0 * 16;
+        for (int d0 = 0; d0 < kD; d0 += 32) {
+          switch (std::min<int64_t>(4, G - g0)) {
+            case 4: accumulate_bf16<4, kD>(acc, a, p, v, lo, hi, d0); break;
+            case 3: accumulate_bf16<3, kD>(acc, a, p, v, lo, hi, d0); break;
+            case 2: accumulate_bf16<2, kD>(acc, a, p, v, lo, hi, d0); break;
+            default: accumulate_bf16<1, kD>(acc, a, p, v, lo, hi, d0);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(sums + g * 16));
+    const float* acc = s.acc.data() + g * kD;
+    c10::BFloat16* o = out + g * kD;
+    for (int d0 = 0; d0 < kD; d0 += 32) {  // undo the pair interleaving's order
+      for (int L = 0; L < 4; ++L) {
+        for (int i = 0; i < 4; ++i) {
+          o[d0 + 8 * L + i] = c10::BFloat16(acc[d0 + 4 * L + i] * inv);
+          o[d0 + 8 * L + 4 + i] = c10::BFloat16(acc[d0 + 16 + 4 * L + i] * inv);
+        }
+      }
+    }
+  }
+}
+#endif
+
+template <typename T, int kD>
+void attend_group(const T* q, const T* key_cache, const T* value_cache, const int64_t* rows,
+                  int64_t context, const float* slopes, int64_t window, float scale, int64_t G,
+                  int64_t D, int64_t bs, T* out, Scratch& s) {
+  if (context <= 0) {  // no keys: a zero output, not NaN
+    for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(0.f);
+    return;
+  }
+  const int64_t query_pos = context - 1;
+  const int64_t first_key = window > 0 ? std::max<int64_t>(0, query_pos - window + 1) : 0;
+  float* qf = s.q.data();
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  std::fill(s.acc.begin(), s.acc.end(), 0.f);
+  std::fill(s.max.begin(), s.max.end(), kNegInf);
+  std::fill(s.sum.begin(), s.sum.end(), 0.f);
+  const int64_t block_elems = bs * D;
+
+  const int64_t last_block = (context - 1) / bs;
+  for (int64_t j = first_key / bs; j <= last_block; ++j) {
+    if (j < last_block) {
+      prefetch_rows(key_cache + rows[j + 1] * block_elems, block_elems * sizeof(T));
+      prefetch_rows(value_cache + rows[j + 1] * block_elems, block_elems * sizeof(T));
+    }
+    const int64_t base = j * bs;
+    const int t0 = static_cast<int>(std::max<int64_t>(first_key - base, 0));
+    const int t1 = static_cast<int>(std::min<int64_t>(context - base, bs));
+    const int n = t1 - t0;
+    const T* k_rows = key_cache + rows[j] * block_elems + t0 * D;
+    const T* v_rows = value_cache + rows[j] * block_elems + t0 * D;
+    const float* kf;
+    const float* vf;
+    if constexpr (std::is_same_v<T, float>) {
+      kf = k_rows;
+      vf = v_rows;
+    } else {
+      to_float(k_rows, s.keys.data(), n * D);
+      kf = s.keys.data();
+    }
+    // Scores [G, n], each K row loaded once for the G heads.
+    for (int t = 0; t < n; ++t) {
+      const float* k = kf + static_cast<int64_t>(t) * D;
+      for (int64_t g = 0; g < G; ++g) s.scores[g * bs + t] = dot<kD>(qf + g * D, k, D);
+    }
+    if (slopes != nullptr) {
+      for (int64_t g = 0; g < G; ++g) {
+        for (int t = 0; t < n; ++t)
+          s.scores[g * bs + t] += slopes[g] * static_cast<float>(base + t0 + t - query_pos);
+      }
+    }
+    if constexpr (!std::is_same_v<T, float>) {
+      to_float(v_rows, s.values.data(), n * D);
+      vf = s.values.data();
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float* sc = s.scores.data() + g * bs;
+      float block_max = sc[0];
+      for (int t = 1; t < n; ++t) block_max = std::max(block_max, sc[t]);
+      const float new_max = std::max(s.max[g], block_max);
+      // exp(-inf) = 0 on the first block: acc and sum start at 0 anyway.
+      const float alpha = std::exp(s.max[g] - new_max);
+      float* p = s.probs.data() + g * bs;
+      const float block_sum = exp_sum(sc, p, n, new_max);
+      s.sum[g] = s.sum[g] * alpha + block_sum;
+      s.max[g] = new_max;
+      accumulate<kD>(s.acc.data() + g * D, alpha, p, vf, n, D);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.f / s.sum[g];
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(s.acc[g * D + d] * inv);
+  }
+}
+
+template <typename T, int kD>
+void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+         const at::Tensor& block_rows, const at::Tensor& context_lens, double scale,
+         const float* slopes, int64_t window, at::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t Hkv = block_rows.size(1), nb = block_rows.size(2), bs = key_cache.size(1);
+  const int64_t G = Hq / Hkv;
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = key_cache.data_ptr<T>();
+  const T* v_ptr = value_cache.data_ptr<T>();
+  const int64_t* rows_ptr = block_rows.data_ptr<int64_t>();
+  const int64_t* ctx_ptr = context_lens.data_ptr<int64_t>();
+  T* out_ptr = out.data_ptr<T>();
+  const int64_t tasks = B * Hkv;
+  const int threads = at::in_parallel_region()
+      ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), tasks));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    Scratch scratch(G, D, bs);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv;
+      const int64_t head = h * G;
+#ifdef TRITONLM_AVX512_BF16
+      if constexpr (std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 32 == 0) {
+        if (bs % 16 == 0) {
+          attend_group_bf16<kD>(q_ptr + (b * Hq + head) * D, k_ptr, v_ptr, rows_ptr + task * nb,
+                                ctx_ptr[b], slopes ? slopes + head : nullptr, window,
+                                static_cast<float>(scale), G, bs,
+                                out_ptr + (b * Hq + head) * D, scratch);
+          continue;
+        }
+      }
+#endif
+      attend_group<T, kD>(q_ptr + (b * Hq + head) * D, k_ptr, v_ptr, rows_ptr + task * nb,
+                          ctx_ptr[b], slopes ? slopes + head : nullptr, window,
+                          static_cast<float>(scale), G, D, bs, out_ptr + (b * Hq + head) * D,
+                          scratch);
+    }
+  }
+}
+
+template <typename T>
+void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& rows, const at::Tensor& ctx, double scale,
+                       const float* slopes, int64_t window, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 64: return run<T, 64>(q, k, v, rows, ctx, scale, slopes, window, out);
+    case 80: return run<T, 80>(q, k, v, rows, ctx, scale, slopes, window, out);
+    case 96: return run<T, 96>(q, k, v, rows, ctx, scale, slopes, window, out);
+    case 128: return run<T, 128>(q, k, v, rows, ctx, scale, slopes, window, out);
+    case 256: return run<T, 256>(q, k, v, rows, ctx, scale, slopes, window, out);
+    default: return run<T, 0>(q, k, v, rows, ctx, scale, slopes, window, out);
+  }
+}
+
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_rows,
+                            const at::Tensor& context_lens, double scale,
+                            const std::optional<at::Tensor>& alibi_slopes, int64_t window) {
+  const char* name = "decode_attention: ";
+  for (const auto* t : {&q, &key_cache, &value_cache, &block_rows, &context_lens})
+    TORCH_CHECK(t->device().is_cpu(), name, "all tensors must be on the CPU");
+  TORCH_CHECK(q.dim() == 3, name, "q must be [B, Hq, D], got ", q.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 ||
+                  q.scalar_type() == at::kHalf,
+              name, "q must be float32, bfloat16 or float16, got ", q.scalar_type());
+  TORCH_CHECK(key_cache.scalar_type() == q.scalar_type() &&
+                  value_cache.scalar_type() == q.scalar_type(),
+              name, "key_cache and value_cache must have q's dtype ", q.scalar_type(), ", got ",
+              key_cache.scalar_type(), " and ", value_cache.scalar_type());
+  TORCH_CHECK(key_cache.dim() == 3 && key_cache.sizes() == value_cache.sizes(), name,
+              "key_cache and value_cache must both be [R, block_size, D], got ",
+              key_cache.sizes(), " and ", value_cache.sizes());
+  TORCH_CHECK(key_cache.size(2) == q.size(2), name, "head dim of the caches (",
+              key_cache.size(2), ") differs from q's (", q.size(2), ")");
+  TORCH_CHECK(block_rows.scalar_type() == at::kLong, name, "block_rows must be int64, got ",
+              block_rows.scalar_type());
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong, name,
+              "context_lens must be int64, got ", context_lens.scalar_type());
+  TORCH_CHECK(block_rows.dim() == 3 && block_rows.size(0) == q.size(0), name,
+              "block_rows must be [B, Hkv, nb] with B = ", q.size(0), ", got ",
+              block_rows.sizes());
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == q.size(0), name,
+              "context_lens must be [B] with B = ", q.size(0), ", got ", context_lens.sizes());
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t Hkv = block_rows.size(1), nb = block_rows.size(2);
+  const int64_t R = key_cache.size(0), bs = key_cache.size(1);
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, name, "the query heads (", Hq,
+              ") must be a multiple of the kv heads (", Hkv, ")");
+  TORCH_CHECK(D > 0 && bs > 0, name, "head dim and block size must be positive");
+  for (const auto* t : {&q, &key_cache, &value_cache, &block_rows, &context_lens})
+    TORCH_CHECK(t->is_contiguous(), name, "all tensors must be contiguous");
+  TORCH_CHECK(window >= 0, name, "window must be >= 0 (0: none), got ", window);
+  const float* slopes = nullptr;
+  if (alibi_slopes.has_value() && alibi_slopes->defined()) {
+    const at::Tensor& a = *alibi_slopes;
+    TORCH_CHECK(a.device().is_cpu() && a.scalar_type() == at::kFloat && a.dim() == 1 &&
+                    a.size(0) == Hq && a.is_contiguous(),
+                name, "alibi_slopes must be a contiguous float32 CPU tensor [Hq = ", Hq,
+                "], got ", a.scalar_type(), " ", a.sizes());
+    slopes = a.data_ptr<float>();
+  }
+  // Every row a sequence reads must exist: checked here, outside the parallel region.
+  const int64_t* ctx = context_lens.data_ptr<int64_t>();
+  const int64_t* rows = block_rows.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ctx[b] <= nb * bs, name, "context_lens[", b, "] = ", ctx[b], " exceeds the ",
+                nb, " blocks of ", bs, " keys in block_rows");
+    if (ctx[b] <= 0) continue;
+    const int64_t first =
+        window > 0 ? std::max<int64_t>(0, ctx[b] - window) / bs : 0;  // first visible block
+    const int64_t last = (ctx[b] - 1) / bs;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int64_t j = first; j <= last; ++j) {
+        const int64_t row = rows[(b * Hkv + h) * nb + j];
+        TORCH_CHECK(row >= 0 && row < R, name, "block_rows[", b, ", ", h, ", ", j, "] = ", row,
+                    " is outside the cache's ", R, " rows");
+      }
+    }
+  }
+  at::Tensor out = at::empty_like(q);
+  if (B == 0 || Hq == 0) return out;
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      dispatch_head_dim<float>(q, key_cache, value_cache, block_rows, context_lens, scale, slopes,
+                               window, out);
+      break;
+    case at::kBFloat16:
+      dispatch_head_dim<c10::BFloat16>(q, key_cache, value_cache, block_rows, context_lens, scale,
+                                       slopes, window, out);
+      break;
+    default:
+      dispatch_head_dim<c10::Half>(q, key_cache, value_cache, block_rows, context_lens, scale,
+                                   slopes, window, out);
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention,
+        "Paged decode attention: q [B, Hq, D], caches [R, bs, D], block_rows [B, Hkv, nb] int64, "
+        "context_lens [B] int64 -> [B, Hq, D]",
+        py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_rows"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("alibi_slopes") = py::none(),
+        py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,114 @@
+"""The C++ paged decode-attention kernel for CPU (csrc/paged_decode_attention.cpp): reads K/V
+blocks where they lie in the cache, with a streaming softmax, instead of gathering them.
+
+Built once with torch.utils.cpp_extension (needs ninja and a C++ compiler) into
+$TRITONLM_KERNEL_DIR (default ~/.cache/tritonlm/kernels/<torch version>), in a folder named by a
+hash of the source, the flags, torch's version and this CPU's features (the build uses
+-march=native): `make setup` prebuilds it, and a server then imports the built module without
+invoking ninja or the compiler. Concurrent builds are serialised by an flock, which the kernel
+releases when a builder dies (cpp_extension's own lock file would then be left behind and make
+every later build wait forever; a stale one is removed under the flock).
+TRITONLM_CPU_ATTENTION_KERNEL=0 turns the kernel off (`load` returns None).
+"""
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_decode_attention.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build_dir() -> Path:
+    root = (os.environ.get("TRITONLM_KERNEL_DIR")
+            or Path.home() / ".cache/tritonlm/kernels" / torch.__version__)
+    key = hashlib.sha256(b"\0".join([
+        SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
+        _cpu_features().encode()])).hexdigest()[:16]
+    return Path(root) / f"tritonlm_paged_attention_{key}"
+
+
+def _import(directory: Path):
+    library = directory / f"{directory.name}.so"
+    spec = importlib.util.spec_from_file_location(directory.name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build(verbose: bool = False):
+    """Build (if not built yet) and import the extension; raises with the compiler's output."""
+    directory = _build_dir()
+    done = directory / "built"
+    if done.exists():
+        return _import(directory)
+    from torch.utils import cpp_extension
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "build.flock", "w") as flock:
+        fcntl.flock(flock, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        if done.exists():  # another process built it while we waited
+            return _import(directory)
+        (directory / "lock").unlink(missing_ok=True)  # cpp_extension's, left by a dead builder
+        # After a failed build in this process cpp_extension would skip building and fail to
+        # import; forgetting its record makes it run ninja (and report the compiler) again.
+        cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(directory.name, None)
+        path = os.environ.get("PATH", "")
+        # ninja from the venv, when the interpreter runs without the venv activated.
+        os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), path])
+        try:
+            module = cpp_extension.load(
+                name=directory.name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),  # copies: cpp_extension appends to them
+                build_directory=str(directory), verbose=verbose)
+        finally:
+            os.environ["PATH"] = path
+        done.touch()
+        return module
+
+
+def load():
+    """The built extension, building it if needed; None (with one warning) when it cannot be
+    built or imported, or is turned off. Never raises."""
+    with _lock:
+        if "module" not in _loaded:
+            module = None
+            if os.environ.get("TRITONLM_CPU_ATTENTION_KERNEL", "1") != "0":
+                try:
+                    module = build()
+                except Exception as e:  # noqa: BLE001 - any failure means: use the PyTorch path
+                    logger.warning("CPU paged-attention kernel unavailable, using the PyTorch "
+                                   "path: %s", e)
+            _loaded["module"] = module
+        return _loaded["module"]
+
+
+def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_rows: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                     alibi_slopes: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+    """q [B, Hq, D]; caches [R, bs, D] (the [num_blocks * Hkv, bs, D] view) of q's dtype;
+    block_rows [B, Hkv, nb] and context_lens [B] int64 (the query at position context - 1);
+    alibi_slopes [Hq] float32; window 0 or a sliding window -> [B, Hq, D]."""
+    module = load()
+    if module is None:
+        raise RuntimeError("the CPU paged-attention kernel could not be built (see the log)")
+    return module.decode_attention(q, key_cache, value_cache, block_rows, context_lens, scale,
+                                   alibi_slopes, window)
