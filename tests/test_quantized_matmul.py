@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from tritonlm.layers.quantization import QuantizedWeight, dequantize, pack_int4
 from tritonlm.layers.quantized_matmul import Int4Groups
 
-OUT, IN = 80, 256
+OUT, IN = 80, 224  # int4 groups of 64 and 128 leave a shorter last group
 
 
 def storage(bits: int, group_size: int, act_order: bool = False, biases: bool = True,
@@ -60,9 +60,11 @@ def test_fused_int4_holds_the_only_copy_of_the_weight():
     assert isinstance(layer.fused, Int4Groups)
     assert layer.qweight.numel() == 0 and layer.scales is None and layer.biases is None
     assert layer.fused.packed.numel() * layer.fused.packed.element_size() == OUT * IN // 2
+    assert layer.fused.padding == 0
 
 
-@pytest.mark.parametrize("bits,group_size,rows", [(4, 48, OUT), (4, 32, 72), (8, 32, OUT)])
+@pytest.mark.parametrize("bits,group_size,rows", [(4, 48, OUT), (4, 32, 72), (4, 96, OUT),
+                                                   (8, 32, OUT)])
 def test_other_layouts_dequantize_for_each_matmul(bits, group_size, rows):
     torch.manual_seed(0)
     layer = storage(bits, group_size, biases=bits == 4, rows=rows)

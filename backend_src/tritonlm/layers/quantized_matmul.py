@@ -1,12 +1,15 @@
 """Fused matmuls on weight-only quantized storage (quantization.py), chosen once per layer:
-- CPU, 4 bits in groups of 32, 64, 128 or 256 columns, output rows a multiple of 16: torch's int4 kernel, on a copy of the
-  weight in its packed layout (act-order columns sorted by group once, each input permuted alike);
+- CPU, 4 bits in groups of 32, 64, 128 or 256 columns (the last may be shorter), output rows a
+  multiple of 16: torch's int4 kernel, on a copy of the weight in its packed layout (act-order
+  columns sorted by group once, each input permuted alike; a short last group padded with zero
+  inputs);
 - CPU, 8 bits with one scale per output row: torch's int8 kernel, on the storage as it is;
 - CUDA with OpenAI Triton installed: our Triton kernel (triton_quant_matmul.py), any layout.
 Any other layout dequantizes the weight for each matmul (`QuantizedWeight.forward`)."""
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tritonlm.layers import triton_quant_matmul
@@ -29,7 +32,7 @@ def cpu_matmul(qweight: torch.Tensor, values: Callable[[], torch.Tensor], scales
         if scales.shape[1] != 1 or biases is not None:
             return None
         return _Int8Rows(qweight, scales[:, 0].to(dtype))
-    group_size = _equal_group_size(g_idx, scales.shape[1])
+    group_size = _group_size(g_idx, scales.shape[1])
     if group_size not in INT4_GROUP_SIZES or qweight.shape[0] % INT4_ROW_MULTIPLE:
         return None
     return Int4Groups(values(), scales, biases, g_idx, group_size, dtype)
@@ -42,10 +45,11 @@ def cuda_matmul(qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tenso
     return lambda x: triton_quant_matmul.quantized_matmul(x, qweight, scales, biases, g_idx)
 
 
-def _equal_group_size(g_idx: torch.Tensor, num_groups: int) -> int | None:
-    """The size of every group, when all groups have the same number of columns (in any order)."""
+def _group_size(g_idx: torch.Tensor, num_groups: int) -> int | None:
+    """The size of every group but the last, which may be shorter (columns in any order)."""
     counts = torch.bincount(g_idx.long(), minlength=num_groups)
-    return int(counts[0]) if bool((counts == counts[0]).all()) else None
+    size = int(counts[0])
+    return size if bool((counts[:-1] == size).all()) and int(counts[-1]) <= size else None
 
 
 class _Int8Rows(nn.Module):
@@ -68,6 +72,8 @@ class Int4Groups(nn.Module):
         values = values.to(torch.int32)
         if self.order is not None:
             values = values[:, self.order]
+        self.padding = scales.shape[1] * group_size - values.shape[1]
+        values = F.pad(values, (0, self.padding))
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             values.contiguous(), 1))
         zeros = scales * INT4_OFFSET + (biases if biases is not None else 0)
@@ -79,6 +85,8 @@ class Int4Groups(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         if self.order is not None:
             flat = flat.index_select(1, self.order)
+        if self.padding:
+            flat = F.pad(flat, (0, self.padding))
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed,
                                                          self.group_size, self.scales_and_zeros)
         return out.view(*x.shape[:-1], -1)
