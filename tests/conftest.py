@@ -1,8 +1,14 @@
 """Shared fixtures: the embedded SmolLM2 GGUF, tiny random-weight models, conversion."""
-import importlib.util
-from pathlib import Path
+import os
 
-import pytest
+# Triton's CPU interpreter runs our Triton kernel in test_triton_quant_matmul.py; it must be on
+# before anything (transformers, for one, at collection) imports triton.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib.util  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -1,18 +1,14 @@
 """The fused Triton dequantize-and-matmul kernel against dequantize() + F.linear, run on CPU
 tensors by Triton's interpreter (so this checks the kernel's indexing, masking, nibble order
 and group gathers; not its speed or the tensor cores' rounding)."""
-import os
+import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported and the kernel is built
+import pytest
+import torch
+import torch.nn.functional as F
 
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from tritonlm.layers import triton_quant_matmul as tqm  # noqa: E402
-from tritonlm.layers.quantization import dequantize, pack_int4  # noqa: E402
+from tritonlm.layers import triton_quant_matmul as tqm
+from tritonlm.layers.quantization import dequantize, pack_int4
 
 # (bits, out features, in features, group size, act-order, asymmetric)
 CASES = {
