@@ -16,8 +16,8 @@ from torch import nn
 
 from tritonlm.layers import quantized_matmul
 
-QUANTIZED = "quantized"
-_UNKNOWN = object()  # the submodule name under a linear layer that holds its quantized weight
+QUANTIZED = "quantized"  # the submodule name under a linear layer that holds its quantized weight
+_UNKNOWN = object()  # not settled yet: group size and fused kernel are chosen once loaded
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
