@@ -30,11 +30,16 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
 
 
+def integer_values(qweight: torch.Tensor) -> torch.Tensor:
+    """The integer weight [out, in] of int8 or packed int4 storage."""
+    return unpack_int4(qweight) if qweight.dtype == torch.uint8 else qweight
+
+
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
                g_idx: torch.Tensor, dtype: torch.dtype, group_size: int | None = None) -> torch.Tensor:
     """The float weight. `group_size`, when the groups are consecutive runs of that many columns,
     lets the scales broadcast over a [out, groups, size] view instead of a per-column gather."""
-    values = (unpack_int4(qweight) if qweight.dtype == torch.uint8 else qweight).to(torch.float32)
+    values = integer_values(qweight).to(torch.float32)
     if group_size is not None:
         rows, num_groups = scales.shape
         grouped = values.view(rows, num_groups, group_size)
@@ -105,8 +110,7 @@ class QuantizedWeight(nn.Module):
             self.biases = None
 
     def values(self) -> torch.Tensor:
-        """The integer weight [out, in]."""
-        return unpack_int4(self.qweight) if self.qweight.dtype == torch.uint8 else self.qweight
+        return integer_values(self.qweight)
 
     def shard_parts(self, leaf: str, part_sizes: list[int]) -> list[tuple[int, np.ndarray] | None]:
         """This rank's cut of each checkpoint part (parts of a fused layer stack on dim 0;
