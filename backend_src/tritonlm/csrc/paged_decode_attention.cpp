@@ -5,51 +5,19 @@
 // as [R = num_blocks * Hkv, bs, D]; block_rows[b, h, j] is the row holding keys j*bs .. j*bs+bs-1
 // of sequence b for kv head h. Query heads h*G .. h*G+G-1 (G = Hq / Hkv) share kv head h; they are
 // processed together so each K/V row is loaded once for the whole group (GQA / MQA).
-//
-// Built with -march=native (tritonlm/layers/cpu_attention_kernel.py): at::vec's AVX512 / AVX2
-// specialisations are enabled below when the compiler targets them, else its generic code runs.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512DQ__)
-#define CPU_CAPABILITY AVX512
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#endif
 
-#include <torch/extension.h>
+#include "cpu_vec.h"
 
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
-#include <algorithm>
 #include <cmath>
-#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
 
+namespace tritonlm {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int W = Vec::size();
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-inline Vec load_float(const float* p) { return Vec::loadu(p); }
-inline Vec load_float(const c10::BFloat16* p) {
-  Vec out;
-  at::vec::load_fp32_from_bf16(p, out);
-  return out;
-}
-inline Vec load_float(const c10::Half* p) {
-  Vec out;
-  at::vec::load_fp32_from_fp16(p, out);
-  return out;
-}
 
 // n contiguous values to float32.
 template <typename T>
@@ -73,7 +41,7 @@ inline float dot(const float* a, const float* b, int runtime_d) {
     acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
     d += W;
   }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc0 + acc1);
+  float sum = sum_lanes(acc0 + acc1);
   for (; d < n; ++d) sum += a[d] * b[d];
   return sum;
 }
@@ -120,7 +88,7 @@ inline float exp_sum(const float* s, float* p, int n, float max) {
     e.store(p + t);
     vsum = vsum + e;
   }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+  float sum = sum_lanes(vsum);
   if (t < n) {
     Vec e = (Vec::loadu(s + t, n - t) - vmax).exp_u20();
     e.store(p + t, n - t);
@@ -522,11 +490,4 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention,
-        "Paged decode attention: q [B, Hq, D], caches [R, bs, D], block_rows [B, Hkv, nb] int64, "
-        "context_lens [B] int64 -> [B, Hq, D]",
-        py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_rows"),
-        py::arg("context_lens"), py::arg("scale"), py::arg("alibi_slopes") = py::none(),
-        py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
-}
+}  // namespace tritonlm

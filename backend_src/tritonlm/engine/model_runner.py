@@ -9,7 +9,7 @@ from tritonlm.distributed import parallel_state
 from tritonlm.distributed.ranks import RankGroup, join_process_group
 from tritonlm.engine.step_inputs import StepInputBuilder
 from tritonlm.engine.step_plan import SampledToken, StepPlan
-from tritonlm.layers import cpu_attention_kernel
+from tritonlm.layers import cpu_kernels
 from tritonlm.layers.attention import PagedAttention, cache_block_shape, flash_attention_usable
 from tritonlm.layers.attention_metadata import AttentionSpec
 from tritonlm.layers.kv_cache import KVCache
@@ -52,23 +52,23 @@ class ModelRunner:
                           and all(layer.position_bias is None or hasattr(layer.position_bias, "slopes")
                                   for layer in self.attention_layers))  # flash knows only ALiBi
         self.num_blocks = self._allocate_kv_cache()
-        decode_kernel = self._use_decode_kernel()
+        kernels = self._cpu_attention_kernels()
         self.inputs = StepInputBuilder(
             self.block_size, _attention_specs([a for a in self.attention_layers if a.causal]),
             _attention_specs([a for a in self.attention_layers if not a.causal]),
-            self.use_flash, self.device, decode_kernel is not None)
+            self.use_flash, self.device, kernels is not None)
         for layer in self.attention_layers:
-            layer.decode_kernel = decode_kernel
+            layer.cpu_kernels = kernels
         self.token_counts = TokenCounts(hf_config.vocab_size, self.device)
 
-    def _use_decode_kernel(self):
-        """The CPU paged decode-attention kernel, where it can run every layer, or None: it
-        reads a 16- or 32-bit cache and knows ALiBi, not T5's relative buckets."""
+    def _cpu_attention_kernels(self):
+        """The CPU kernels, where their paged attention can run every layer, or None: they read
+        a 16- or 32-bit cache and know ALiBi, not T5's relative buckets."""
         if (self.device.type != "cpu" or self.use_flash or self.config.kv_cache_dtype != "auto"
                 or not all(layer.position_bias is None or hasattr(layer.position_bias, "slopes")
                            for layer in self.attention_layers)):
             return None
-        return cpu_attention_kernel.load()
+        return cpu_kernels.load()
 
     def _allocate_kv_cache(self) -> int:
         first = self.attention_layers[0]

@@ -1,4 +1,5 @@
-"""Activations by Hugging Face `hidden_act` name."""
+"""Activations by Hugging Face `hidden_act` name, and their codes in the fused CPU kernel
+(csrc/fused_ops.cpp's act_and_mul)."""
 import torch.nn.functional as F
 
 
@@ -15,6 +16,8 @@ _ACTIVATIONS = {
     "gelu_fast": _gelu_tanh,
     "gelu_pytorch_tanh": _gelu_tanh,
 }
+
+FUSED_CODES = {"silu": 0, "swish": 0, "gelu_new": 1, "gelu_fast": 1, "gelu_pytorch_tanh": 1}
 
 
 def activation(name: str):

@@ -58,7 +58,7 @@ class PagedAttention(nn.Module):
         self.causal = causal
         self.kv_slot = kv_slot
         self.use_flash = False
-        self.decode_kernel = None  # the CPU paged-attention extension, when the runner uses it
+        self.cpu_kernels = None  # the CPU kernels' extension, when the runner uses its attention
         # Assigned by the model runner once the cache is allocated.
         self.kv = LayerKV(torch.empty(0), torch.empty(0))
 
@@ -77,12 +77,21 @@ class PagedAttention(nn.Module):
         if self.use_flash:
             return self._flash(q, meta)
         q = self.kv.rotate(q)
-        if meta.prefill_token_index is None and len(meta.decode) == 1:
+        prefill = meta.prefill_rows is not None or meta.prefill_token_index is not None
+        if not prefill and len(meta.decode) == 1:
             return self.kv.unrotate(self._decode(q, meta.decode[0]))  # token i is row i
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for rows in meta.decode:
             out[rows.token_index] = self._decode(q[rows.token_index], rows)
-        if meta.prefill_token_index is not None:
+        if meta.prefill_rows is not None:  # the CPU kernel writes its rows' tokens of `out`
+            rows = meta.prefill_rows
+            block_size, head_dim = self.kv.key.shape[-2:]
+            self.cpu_kernels.prefill_attention(
+                q.contiguous(), self.kv.key.view(-1, block_size, head_dim),
+                self.kv.value.view(-1, block_size, head_dim), rows.blocks, rows.query_starts,
+                rows.query_lens, rows.context_lens, self.scale,
+                getattr(self.position_bias, "slopes", None), self.sliding_window or 0, out)
+        elif meta.prefill_token_index is not None:
             q_rows = q[meta.prefill_token_index]  # [Bp, Qp, Hq, D]
             keys, values = self.kv.gather(meta.prefill_blocks, q.dtype)
             mask = meta.prefill_mask
@@ -99,7 +108,7 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, decode: DecodeRows) -> torch.Tensor:
         if decode.context_lens is not None:  # the CPU kernel reads the blocks where they are
             block_size, head_dim = self.kv.key.shape[-2:]
-            return self.decode_kernel.decode_attention(
+            return self.cpu_kernels.decode_attention(
                 q.contiguous(), self.kv.key.view(-1, block_size, head_dim),
                 self.kv.value.view(-1, block_size, head_dim), decode.blocks, decode.context_lens,
                 self.scale, getattr(self.position_bias, "slopes", None), self.sliding_window or 0)

@@ -27,13 +27,26 @@ class DecodeRows:
 
 
 @dataclass
+class PrefillRows:
+    """Rows with several query tokens, for the CPU kernel, which reads their blocks in place:
+    row b's queries are the tokens query_starts[b] .. + query_lens[b], the last positions of its
+    context_lens[b] keys."""
+    query_starts: torch.Tensor  # [Bp]
+    query_lens: torch.Tensor  # [Bp]
+    context_lens: torch.Tensor  # [Bp]
+    blocks: torch.Tensor  # [Bp, Hkv, nb] rows of the [blocks * Hkv, bs, D] view
+
+
+@dataclass
 class AttentionMetadata:
     """Where this step's K/V go in the cache and which cached tokens each query sees."""
     # PyTorch backend: rows of the cache viewed [num_blocks * Hkv * bs, D] for each new (token, head).
     write_rows: torch.Tensor | None = None  # [T * Hkv]
     # Rows with a single query token (decodes), grouped by context length.
     decode: "list[DecodeRows]" = field(default_factory=list)
-    # Rows with several query tokens (prefill chunks), padded to the longest.
+    # Rows with several query tokens (prefill chunks): for the CPU kernel, or padded to the
+    # longest for SDPA.
+    prefill_rows: PrefillRows | None = None
     prefill_token_index: torch.Tensor | None = None  # [Bp, Qp]
     prefill_token_valid: torch.Tensor | None = None  # [Bp, Qp]
     prefill_blocks: torch.Tensor | None = None  # [Bp, Hkv, nb]
@@ -80,8 +93,9 @@ class AttentionSpec:
 
 def build_metadata(layout: StepLayout, spec: AttentionSpec, use_flash: bool,
                    to_tensor: Callable[[np.ndarray], torch.Tensor],
-                   decode_kernel: bool = False) -> AttentionMetadata:
-    """`decode_kernel`: decode rows are for the CPU kernel (layers/cpu_attention_kernel.py)."""
+                   cpu_kernel: bool = False) -> AttentionMetadata:
+    """`cpu_kernel`: decode rows, and causal rows of several queries, are for the CPU kernels
+    (layers/cpu_kernels.py)."""
     if use_flash:
         return _flash_metadata(layout, spec, to_tensor)
     heads = np.arange(spec.num_kv_heads)
@@ -92,11 +106,11 @@ def build_metadata(layout: StepLayout, spec: AttentionSpec, use_flash: bool,
     context = layout.context
     decode = layout.lens == 1
     decode_rows = np.flatnonzero(decode)
-    if decode_kernel and len(decode_rows):
+    if cpu_kernel and len(decode_rows):
         meta.decode.append(DecodeRows(to_tensor(layout.first[decode_rows]),
                                       to_tensor(_context_blocks(layout, decode_rows, heads)[0]),
                                       context_lens=to_tensor(context[decode_rows])))
-    for rows in [] if decode_kernel else _length_groups(decode_rows, context):
+    for rows in [] if cpu_kernel else _length_groups(decode_rows, context):
         blocks, keys = _context_blocks(layout, rows, heads)
         query_pos = layout.starts[rows][:, None]  # [Bd, 1]
         distance = keys[None, :] - query_pos
@@ -105,7 +119,12 @@ def build_metadata(layout: StepLayout, spec: AttentionSpec, use_flash: bool,
             to_tensor(layout.first[rows]), to_tensor(blocks), to_tensor(visible[:, None, :, None]),
             to_tensor(distance) if spec.needs_distances else None))
     prefill = ~decode
-    if prefill.any():
+    if prefill.any() and cpu_kernel and spec.causal:
+        rows = np.flatnonzero(prefill)
+        meta.prefill_rows = PrefillRows(
+            to_tensor(layout.first[rows]), to_tensor(layout.lens[rows]), to_tensor(context[rows]),
+            to_tensor(_context_blocks(layout, rows, heads)[0]))
+    elif prefill.any():
         blocks, keys = _context_blocks(layout, prefill, heads)
         q = np.arange(int(layout.lens[prefill].max()))
         valid = q[None, :] < layout.lens[prefill][:, None]

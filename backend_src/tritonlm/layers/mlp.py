@@ -3,7 +3,8 @@ each rank computes its slice of the intermediate features; the down projection s
 import torch
 from torch import nn
 
-from tritonlm.layers.activation import activation
+from tritonlm.layers import cpu_kernels
+from tritonlm.layers.activation import FUSED_CODES, activation
 from tritonlm.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -16,10 +17,17 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
         self.act = activation(act)
+        self.fused_code = FUSED_CODES.get(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        kernels = cpu_kernels.for_tensor(gate_up)
+        if kernels is None or self.fused_code is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
+        flat = gate_up.reshape(-1, gate_up.shape[-1])
+        hidden = kernels.act_and_mul(flat, self.fused_code)
+        return self.down_proj(hidden.view(*gate_up.shape[:-1], -1))
 
 
 class MLP(nn.Module):

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tritonlm.layers import cpu_kernels
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -70,6 +72,11 @@ class SamplerOutput:
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """logits [S, V] -> chosen tokens with their logprobs and the top-N alternatives."""
+    kernels = cpu_kernels.for_tensor(logits)
+    if (kernels is not None and t.all_greedy and t.seen is None and not t.banned_rows.numel()
+            and logits.stride(-1) == 1):
+        tokens, normalizer = kernels.argmax_logsumexp(logits)  # one pass, no float32 copy
+        return _with_logprobs(logits, tokens, normalizer[:, None], t.num_logprobs)
     raw = logits.float()
     logits = apply_penalties(raw, t) if t.seen is not None else raw
     if t.banned_rows.numel():
@@ -85,10 +92,17 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
         exponential = -torch.log(uniform_noise(t.seeds, t.steps, logits.shape[-1]))
         tokens = torch.where(greedy, tokens, (probs / exponential).argmax(dim=-1))
-    normalizer = torch.logsumexp(raw, dim=-1, keepdim=True)
-    chosen = raw.gather(-1, tokens[:, None]) - normalizer
-    top_values, top_ids = raw.topk(t.num_logprobs, dim=-1)
-    return SamplerOutput(tokens, chosen.squeeze(-1), top_ids, top_values - normalizer)
+    return _with_logprobs(raw, tokens, torch.logsumexp(raw, dim=-1, keepdim=True),
+                          t.num_logprobs)
+
+
+def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, normalizer: torch.Tensor,
+                   num_logprobs: int) -> SamplerOutput:
+    """Logprobs of the model's raw distribution (logits `raw`, normalizer [S, 1] float32) for the
+    chosen tokens and the top `num_logprobs`."""
+    chosen = raw.gather(-1, tokens[:, None]).float() - normalizer
+    top_values, top_ids = raw.topk(num_logprobs, dim=-1)
+    return SamplerOutput(tokens, chosen.squeeze(-1), top_ids, top_values.float() - normalizer)
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

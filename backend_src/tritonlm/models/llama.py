@@ -46,9 +46,15 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                             getattr(config, "mlp_bias", False))
 
-    def forward(self, rope: Rope, x, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: Rope, x, residual, meta: AttentionMetadata):
+        """(this layer's MLP output, the residual stream before it): the next norm adds the two,
+        so each add happens inside a fused norm (residual None: x is the embeddings)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(rope, x, meta), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -73,9 +79,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed(input_ids)
         rope = self.rotary_emb.cos_sin(positions, meta, x.dtype)  # once for every layer
+        residual = None
         for layer in self.layers:
-            x = layer(rope, x, meta)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, meta)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(CausalLM):

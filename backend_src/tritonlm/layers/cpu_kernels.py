@@ -1,14 +1,15 @@
-"""The C++ paged decode-attention kernel for CPU (csrc/paged_decode_attention.cpp): reads K/V
-blocks where they lie in the cache, with a streaming softmax, instead of gathering them.
+"""tritonlm's C++ CPU kernels (csrc/): paged decode attention, which reads K/V blocks where they
+lie in the cache with a streaming softmax, and fused per-token ops (RMSNorm with its residual add,
+activation-times-up, rotary embeddings, greedy argmax with the log-normaliser).
 
 Built once with torch.utils.cpp_extension (needs ninja and a C++ compiler) into
 $TRITONLM_KERNEL_DIR (default ~/.cache/tritonlm/kernels/<torch version>), in a folder named by a
-hash of the source, the flags, torch's version and this CPU's features (the build uses
+hash of the sources, the flags, torch's version and this CPU's features (the build uses
 -march=native): `make setup` prebuilds it, and a server then imports the built module without
 invoking ninja or the compiler. Concurrent builds are serialised by an flock, which the kernel
 releases when a builder dies (cpp_extension's own lock file would then be left behind and make
 every later build wait forever; a stale one is removed under the flock).
-TRITONLM_CPU_ATTENTION_KERNEL=0 turns the kernel off (`load` returns None).
+TRITONLM_CPU_KERNELS=0 turns the kernels off (`load` returns None): the PyTorch paths run.
 """
 import fcntl
 import hashlib
@@ -23,7 +24,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_decode_attention.cpp"
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))
+HEADERS = sorted(CSRC.glob("*.h"))
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
@@ -42,9 +46,10 @@ def _build_dir() -> Path:
     root = (os.environ.get("TRITONLM_KERNEL_DIR")
             or Path.home() / ".cache/tritonlm/kernels" / torch.__version__)
     key = hashlib.sha256(b"\0".join([
-        SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
-        _cpu_features().encode()])).hexdigest()[:16]
-    return Path(root) / f"tritonlm_paged_attention_{key}"
+        *(path.read_bytes() for path in SOURCES + HEADERS), " ".join(CFLAGS + LDFLAGS).encode(),
+        torch.__version__.encode(), _cpu_features().encode()])).hexdigest()[:16]
+    return Path(root) / f"tritonlm_cpu_kernels_{key}"
+
 
 
 def _import(directory: Path):
@@ -76,7 +81,7 @@ def build(verbose: bool = False):
         os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), path])
         try:
             module = cpp_extension.load(
-                name=directory.name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                name=directory.name, sources=[str(p) for p in SOURCES], extra_cflags=list(CFLAGS),
                 extra_ldflags=list(LDFLAGS),  # copies: cpp_extension appends to them
                 build_directory=str(directory), verbose=verbose)
         finally:
@@ -91,14 +96,20 @@ def load():
     with _lock:
         if "module" not in _loaded:
             module = None
-            if os.environ.get("TRITONLM_CPU_ATTENTION_KERNEL", "1") != "0":
+            if os.environ.get("TRITONLM_CPU_KERNELS", "1") != "0":
                 try:
                     module = build()
                 except Exception as e:  # noqa: BLE001 - any failure means: use the PyTorch path
-                    logger.warning("CPU paged-attention kernel unavailable, using the PyTorch "
-                                   "path: %s", e)
+                    logger.warning("CPU kernels unavailable, using the PyTorch paths: %s", e)
             _loaded["module"] = module
         return _loaded["module"]
+
+
+def for_tensor(x: torch.Tensor):
+    """The extension when its kernels can take x (a float tensor on the CPU), else None."""
+    if x.device.type != "cpu" or x.dtype not in FLOAT_DTYPES:
+        return None
+    return _loaded["module"] if "module" in _loaded else load()
 
 
 def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -109,6 +120,6 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     alibi_slopes [Hq] float32; window 0 or a sliding window -> [B, Hq, D]."""
     module = load()
     if module is None:
-        raise RuntimeError("the CPU paged-attention kernel could not be built (see the log)")
+        raise RuntimeError("the CPU kernels could not be built (see the log)")
     return module.decode_attention(q, key_cache, value_cache, block_rows, context_lens, scale,
                                    alibi_slopes, window)

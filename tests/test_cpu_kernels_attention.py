@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from tritonlm.layers import cpu_attention_kernel
+from tritonlm.layers import cpu_kernels
 from tritonlm.layers.attention import PagedAttention
 from tritonlm.layers.attention_metadata import AttentionSpec, StepLayout, build_metadata
 from tritonlm.layers.kv_cache import LayerKV
@@ -13,7 +13,7 @@ from tritonlm.layers.kv_cache import LayerKV
 
 @pytest.fixture(scope="module")
 def kernel():
-    return cpu_attention_kernel.build()  # raises with the compiler's output if it cannot build
+    return cpu_kernels.build()  # raises with the compiler's output if it cannot build
 
 
 def make_case(num_seqs, hq, hkv, head_dim, context_lens, dtype=torch.float32, block_size=16,
@@ -171,9 +171,9 @@ def test_two_threads_match_one(kernel):
 
 @pytest.mark.parametrize("window", [0, 7])
 def test_paged_attention_with_the_kernel_equals_the_pytorch_path(kernel, window):
-    """A step of five decodes and one prefill chunk: with the kernel, the engine's metadata sends
+    """A step of five decodes and one prefill chunk: with the kernels, the engine's metadata sends
     the decodes (blocks as rows of the [num_blocks * Hkv, bs, D] view, context lengths) to the
-    kernel and only the chunk to the PyTorch prefill path; the outputs are the PyTorch path's."""
+    decode kernel and the chunk to the prefill kernel; the outputs are the PyTorch path's."""
     hq, hkv, head_dim, bs, num_blocks = 9, 3, 64, 16, 40
     lens = np.array([1, 1, 1, 5, 1, 1])
     context = np.array([1, 16, 17, 45, 3, 32])
@@ -190,12 +190,12 @@ def test_paged_attention_with_the_kernel_equals_the_pytorch_path(kernel, window)
     attn.kv = LayerKV(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
     q = torch.randn(int(lens.sum()), hq, head_dim, generator=g)
     expected = attn.attend(q, build_metadata(layout, spec, False, torch.from_numpy))
-    meta = build_metadata(layout, spec, False, torch.from_numpy, decode_kernel=True)
+    meta = build_metadata(layout, spec, False, torch.from_numpy, cpu_kernel=True)
     (decode,) = meta.decode
     assert decode.token_index.tolist() == first[lens == 1].tolist()
     assert decode.context_lens.tolist() == context[lens == 1].tolist()
-    assert meta.prefill_token_index.tolist() == [list(range(first[3], first[3] + 5))]
-    attn.decode_kernel = kernel
+    assert meta.prefill_rows.query_starts.tolist() == [first[3]]
+    attn.cpu_kernels = kernel
     torch.testing.assert_close(attn.attend(q, meta), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -223,6 +223,6 @@ def test_bad_inputs_raise_clear_errors(kernel):
 
 
 def test_load_returns_none_when_turned_off(monkeypatch):
-    monkeypatch.setattr(cpu_attention_kernel, "_loaded", {})
-    monkeypatch.setenv("TRITONLM_CPU_ATTENTION_KERNEL", "0")
-    assert cpu_attention_kernel.load() is None
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setenv("TRITONLM_CPU_KERNELS", "0")
+    assert cpu_kernels.load() is None

@@ -1,0 +1,57 @@
+// The Python module of tritonlm's CPU kernels (tritonlm/layers/cpu_kernels.py builds it).
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+
+namespace tritonlm {
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_rows,
+                            const at::Tensor& context_lens, double scale,
+                            const std::optional<at::Tensor>& alibi_slopes, int64_t window);
+void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache, const at::Tensor& block_rows,
+                       const at::Tensor& query_starts, const at::Tensor& query_lens,
+                       const at::Tensor& context_lens, double scale,
+                       const std::optional<at::Tensor>& alibi_slopes, int64_t window,
+                       at::Tensor& out);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    const std::optional<at::Tensor>& residual, bool offset);
+at::Tensor act_and_mul(const at::Tensor& x, int64_t activation);
+void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits);
+}  // namespace tritonlm
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace tritonlm;
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("decode_attention", &decode_attention,
+        "Paged decode attention: q [B, Hq, D], caches [R, bs, D], block_rows [B, Hkv, nb] int64, "
+        "context_lens [B] int64 -> [B, Hq, D]",
+        py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_rows"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("alibi_slopes") = py::none(),
+        py::arg("window") = 0, nogil);
+  m.def("prefill_attention", &prefill_attention,
+        "Paged causal attention for rows of several queries: row b's query_lens[b] queries are "
+        "q[query_starts[b]:][:query_lens[b]] at the last positions of its context_lens[b] keys; "
+        "writes out (like q) at those tokens",
+        py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_rows"),
+        py::arg("query_starts"), py::arg("query_lens"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("alibi_slopes"), py::arg("window"), py::arg("out"), nogil);
+  m.def("rms_norm", &rms_norm,
+        "RMSNorm of x [T, H] (of residual += x when residual is given, updated in place) -> "
+        "[T, H]; offset: Gemma's (1 + weight) scaling",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(),
+        py::arg("offset") = false, nogil);
+  m.def("act_and_mul", &act_and_mul,
+        "act(gate) * up for x [T, 2I] = [gate | up] -> [T, I]; activation 0 silu, 1 gelu (tanh "
+        "approximation)",
+        py::arg("x"), py::arg("activation"), nogil);
+  m.def("rotary_", &rotary_,
+        "Rotates the first rotary_dim features of x [T, H, D] in place (rotate-half); cos, sin "
+        "[T, rotary_dim]",
+        py::arg("x"), py::arg("cos"), py::arg("sin"), nogil);
+  m.def("argmax_logsumexp", &argmax_logsumexp,
+        "Per row of logits [S, V]: the first index of the maximum (int64) and logsumexp (float32)",
+        py::arg("logits"), nogil);
+}

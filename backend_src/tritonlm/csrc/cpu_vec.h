@@ -1,0 +1,89 @@
+// Shared by the CPU kernels: at::vec at this CPU's width, and float32 loads/stores of the model
+// dtypes. Built with -march=native (tritonlm/layers/cpu_kernels.py): at::vec's AVX512 / AVX2
+// specialisations are enabled here when the compiler targets them, else its generic code runs.
+#pragma once
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#endif
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+namespace tritonlm {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int W = Vec::size();
+
+inline Vec load_float(const float* p) { return Vec::loadu(p); }
+inline Vec load_float(const c10::BFloat16* p) {
+  Vec out;
+  at::vec::load_fp32_from_bf16(p, out);
+  return out;
+}
+inline Vec load_float(const c10::Half* p) {
+  Vec out;
+  at::vec::load_fp32_from_fp16(p, out);
+  return out;
+}
+
+// The first n <= W values at p as float32; the other lanes are zero.
+template <typename T>
+inline Vec load_float(const T* p, int64_t n) {
+  if (n == W) return load_float(p);
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p, n);
+  } else {
+    return std::get<0>(at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p, n)));
+  }
+}
+
+// Stores the first n <= W lanes of v as T, rounded to nearest even as torch's casts round.
+template <typename T>
+inline void store_float(T* p, const Vec& v, int64_t n = W) {
+  if constexpr (std::is_same_v<T, float>) {
+    v.store(p, n);
+  } else {
+    at::vec::convert_from_float<T>(v, v).store(p, n);
+  }
+}
+
+// v rounded to T's precision and back: what storing an intermediate result as T gives.
+template <typename T>
+inline Vec rounded(const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
+  }
+}
+
+inline float sum_lanes(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
+}
+
+// Runs fn.template operator()<T>() for a float32, bfloat16 or float16 tensor's dtype.
+template <typename Fn>
+inline void dispatch_float_types(at::ScalarType dtype, const char* name, Fn&& fn) {
+  switch (dtype) {
+    case at::kFloat: fn(float{}); break;
+    case at::kBFloat16: fn(c10::BFloat16{}); break;
+    case at::kHalf: fn(c10::Half{}); break;
+    default: TORCH_CHECK(false, name, "float32, bfloat16 or float16 expected, got ", dtype);
+  }
+}
+
+}  // namespace tritonlm

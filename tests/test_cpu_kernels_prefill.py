@@ -1,0 +1,177 @@
+"""The C++ paged prefill-attention kernel (csrc/paged_prefill_attention.cpp): rows of several
+queries (whole prompts, chunks after cached tokens) attend causally over blocks read in place, as
+plain PyTorch computes on the gathered keys; and PagedAttention sends prefill rows to it."""
+import numpy as np
+import pytest
+import torch
+
+from tritonlm.layers import cpu_kernels
+from tritonlm.layers.attention import PagedAttention
+from tritonlm.layers.attention_metadata import AttentionSpec, StepLayout, build_metadata
+from tritonlm.layers.kv_cache import LayerKV
+
+# (new query tokens, tokens already cached) per row: a 1-token row, whole prompts shorter and
+# longer than a 16-query tile, and chunks after a cached prefix that ends mid-block.
+ROWS = [(5, 0), (1, 3), (40, 60), (17, 0), (16, 9), (100, 21)]
+
+
+def make_case(hq, hkv, head_dim, block_size, dtype=torch.float32, rows=ROWS, seed=0):
+    """q [T, Hq, D] with two unused tokens before and after the rows' tokens; caches
+    [num_blocks * Hkv, bs, D]; shuffled distinct blocks per row."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.tensor([n for n, _ in rows])
+    context = lens + torch.tensor([c for _, c in rows])
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)[:-1]]) + 2
+    nb = int(-(-context.max() // block_size))
+    num_blocks = len(rows) * nb + 3
+    shape = (num_blocks * hkv, block_size, head_dim)
+    key_cache, value_cache = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    tables = torch.randperm(num_blocks, generator=g)[:len(rows) * nb].view(len(rows), nb)
+    blocks = (tables[:, None, :] * hkv + torch.arange(hkv)[None, :, None]).contiguous()
+    q = torch.randn(int(lens.sum()) + 4, hq, head_dim, generator=g).to(dtype)
+    return q, key_cache, value_cache, blocks, starts, lens, context
+
+
+def reference(q, key_cache, value_cache, blocks, starts, lens, context, scale, slopes=None,
+              window=0):
+    """Per row and kv head: gather, [G, Q, L] scores masked causally (and to the window), softmax,
+    matmul, in float32; tokens of no row stay zero."""
+    out = torch.zeros(q.shape)
+    hq, head_dim = q.shape[1:]
+    hkv = blocks.shape[1]
+    group = hq // hkv
+    for b in range(len(starts)):
+        length, n, first = int(context[b]), int(lens[b]), int(starts[b])
+        query_pos = torch.arange(length - n, length)[:, None]
+        key_pos = torch.arange(length)[None, :]
+        visible = key_pos <= query_pos
+        if window:
+            visible &= query_pos - key_pos < window
+        for h in range(hkv):
+            keys, values = (cache[blocks[b, h]].reshape(-1, head_dim)[:length].float()
+                            for cache in (key_cache, value_cache))
+            heads = slice(h * group, (h + 1) * group)
+            scores = torch.einsum("qgd,kd->gqk", q[first:first + n, heads].float(), keys) * scale
+            if slopes is not None:
+                scores += slopes[heads, None, None] * (key_pos - query_pos)[None]
+            probs = scores.masked_fill(~visible[None], float("-inf")).softmax(-1)
+            out[first:first + n, heads] = torch.einsum("gqk,kd->qgd", probs, values)
+    return out
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return cpu_kernels.build()  # raises with the compiler's output if it cannot build
+
+
+def run(kernel, q, k, v, blocks, starts, lens, context, scale, slopes=None, window=0):
+    out = torch.zeros_like(q)
+    kernel.prefill_attention(q, k, v, blocks, starts, lens, context, scale, slopes, window, out)
+    return out
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (80, 8), (20, 24), (128, 32)])
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (6, 1)], ids=["gqa", "mha", "mqa"])
+@pytest.mark.parametrize("variant", ["plain", "alibi", "window"])
+def test_float32_matches_reference(kernel, head_dim, block_size, hq, hkv, variant):
+    case = make_case(hq, hkv, head_dim, block_size)
+    slopes = torch.linspace(0.05, 0.5, hq) if variant == "alibi" else None
+    window = 23 if variant == "window" else 0
+    out = run(kernel, *case, head_dim ** -0.5, slopes, window)
+    expected = reference(*case, head_dim ** -0.5, slopes, window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("variant", ["plain", "alibi", "window"])
+def test_half_precision_within_rounding(kernel, dtype, variant):
+    case = make_case(9, 3, 64, 16, dtype=dtype)
+    slopes = torch.linspace(0.05, 0.5, 9) if variant == "alibi" else None
+    window = 30 if variant == "window" else 0
+    out = run(kernel, *case, 0.125, slopes, window)
+    assert out.dtype == dtype
+    # float32 math on the rounded inputs: only the output's rounding differs
+    torch.testing.assert_close(out.float(), reference(*case, 0.125, slopes, window),
+                               atol=1e-2, rtol=1e-2)
+
+
+def test_stale_cache_contents_never_reach_the_output(kernel):
+    """Keys after a row's context, in blocks it owns, may hold anything a freed sequence left."""
+    q, k, v, blocks, starts, lens, context = make_case(6, 2, 64, 16)
+    expected = reference(q, k, v, blocks, starts, lens, context, 0.125)
+    for b, length in enumerate(context.tolist()):
+        for pos in range(length, blocks.shape[2] * 16):
+            rows = blocks[b, :, pos // 16]
+            k[rows, pos % 16] = float("nan")
+            v[rows, pos % 16] = float("inf")
+    torch.testing.assert_close(run(kernel, q, k, v, blocks, starts, lens, context, 0.125),
+                               expected, atol=1e-5, rtol=1e-5)
+
+
+def test_two_threads_match_one(kernel):
+    case = make_case(9, 3, 64, 16, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outputs.append(run(kernel, *case, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(*outputs)
+
+
+def test_bad_inputs_raise_clear_errors(kernel):
+    q, k, v, blocks, starts, lens, context = make_case(4, 2, 64, 16)
+    out = torch.zeros_like(q)
+
+    def call(**changes):
+        args = dict(q=q, key_cache=k, value_cache=v, block_rows=blocks, query_starts=starts,
+                    query_lens=lens, context_lens=context, scale=0.1, alibi_slopes=None,
+                    window=0, out=out)
+        kernel.prefill_attention(**{**args, **changes})
+    with pytest.raises(RuntimeError, match="must be contiguous int64"):
+        call(query_lens=lens.int())
+    with pytest.raises(RuntimeError, match="outside q's"):
+        call(query_starts=starts + q.shape[0])
+    with pytest.raises(RuntimeError, match="must hold its"):
+        call(context_lens=lens - 1)
+    bad = blocks.clone()
+    bad[0, 0, 0] = k.shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        call(block_rows=bad)
+    with pytest.raises(RuntimeError, match="multiple of the kv heads"):
+        call(q=q[:, :3].contiguous(), out=out[:, :3].contiguous())
+    with pytest.raises(RuntimeError, match="caches must have q's dtype"):
+        call(key_cache=k.bfloat16(), value_cache=v.bfloat16())
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_paged_attention_sends_prefill_rows_to_the_kernel(kernel, window):
+    """A step of decodes, a whole prompt and a chunk after cached tokens: with the kernel the
+    metadata carries the prefill rows' token ranges and contexts instead of padded masks, and the
+    output is the SDPA path's."""
+    hq, hkv, head_dim, bs, num_blocks = 9, 3, 64, 16, 40
+    lens = np.array([1, 21, 1, 5, 1])
+    context = np.array([1, 21, 17, 45, 32])
+    rng = np.random.default_rng(0)
+    tables = np.stack([rng.permutation(num_blocks)[:3] for _ in context])
+    first = np.cumsum(lens) - lens
+    positions = np.concatenate([np.arange(c - n, c) for c, n in zip(context, lens)])
+    layout = StepLayout(lens=lens, starts=context - lens, first=first, positions=positions,
+                        tables=tables, block_size=bs)
+    spec = AttentionSpec(num_kv_heads=hkv, sliding_window=window or None)
+    attn = PagedAttention(hq, hkv, head_dim, head_dim ** -0.5, sliding_window=window or None)
+    g = torch.Generator().manual_seed(1)
+    shape = (num_blocks, hkv, bs, head_dim)
+    attn.kv = LayerKV(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    q = torch.randn(int(lens.sum()), hq, head_dim, generator=g)
+    expected = attn.attend(q, build_metadata(layout, spec, False, torch.from_numpy))
+    meta = build_metadata(layout, spec, False, torch.from_numpy, cpu_kernel=True)
+    assert meta.prefill_token_index is None and meta.prefill_mask is None
+    prefill = meta.prefill_rows
+    assert prefill.query_starts.tolist() == first[lens > 1].tolist()
+    assert prefill.query_lens.tolist() == [21, 5]
+    assert prefill.context_lens.tolist() == [21, 45]
+    attn.cpu_kernels = kernel
+    torch.testing.assert_close(attn.attend(q, meta), expected, atol=1e-5, rtol=1e-5)
