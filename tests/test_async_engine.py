@@ -82,3 +82,32 @@ def test_shutdown_ends_requests_in_flight_with_abort(smollm2_llm):
     assert not engine.is_alive
     with pytest.raises(RuntimeError):
         engine.submit(smollm2_llm.engine.make_request("late", "x", SamplingParams()), Collector())
+
+
+def test_an_engine_built_by_start_runs_on_the_step_loop_thread(smollm2_llm):
+    """Given a factory, start() builds the engine on the loop thread (the only thread then that
+    runs its torch work) and serves with it."""
+    built_on = []
+
+    def make_engine():
+        built_on.append(threading.current_thread().name)
+        return smollm2_llm.engine
+    engine = AsyncEngine(make_engine)
+    engine.start()
+    try:
+        assert built_on == ["tritonlm-engine"] and engine.engine is smollm2_llm.engine
+        collector = submit(engine, "built", "Hi", temperature=0, max_tokens=3, ignore_eos=True)
+        assert collector.done.wait(120)
+        assert sum(len(o.sequences[0].token_ids) for o in collector.outputs) == 3
+    finally:
+        engine.shutdown()
+    assert not engine.is_alive
+
+
+def test_a_failed_build_is_raised_by_start():
+    def make_engine():
+        raise FileNotFoundError("no model here")
+    engine = AsyncEngine(make_engine)
+    with pytest.raises(FileNotFoundError, match="no model here"):
+        engine.start()
+    assert not engine.is_alive

@@ -40,16 +40,17 @@ class TritonPythonModel:
             overrides["device"] = f"cuda:{args['model_instance_device_id']}"
         model_dir = Path(args["model_repository"]) / args["model_version"]
         self.model_name = args["model_name"]
-        self.engine = LLMEngine(model_dir, **overrides)
+        # Built on the engine's own thread, where all its torch work runs (see AsyncEngine).
+        self.async_engine = AsyncEngine(lambda: LLMEngine(model_dir, **overrides))
+        self.async_engine.on_death = self._on_engine_death
+        self.async_engine.start()
+        self.engine = self.async_engine.engine
         self.engine.observers.append(TritonMetrics(self.model_name, args["model_version"],
                                                    self.engine.max_model_len))
         endpoint = otlp_endpoint(self.engine.config.otlp_endpoint)
         self.tracer = RequestTracer(endpoint) if endpoint else None
         if self.tracer is not None:
             self.engine.observers.append(self.tracer)
-        self.async_engine = AsyncEngine(self.engine)
-        self.async_engine.on_death = self._on_engine_death
-        self.async_engine.start()
         logger.info("tritonlm serving %s: %d KV blocks of %d tokens, max_model_len %d",
                     model_dir, self.engine.runner.num_blocks, self.engine.config.block_size,
                     self.engine.max_model_len)
