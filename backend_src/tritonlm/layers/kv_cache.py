@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tritonlm.layers import huge_pages
+
 INT8_MAX = 127
 SCALE_DTYPE = torch.float16
 # A zero row still gets a usable scale; amax beyond 127 * float16's max would saturate.
@@ -107,7 +109,9 @@ class KVCache:
     def __init__(self, num_slots: int, num_blocks: int, block_shape: tuple[int, ...],
                  dtype: torch.dtype, quantized: bool, device: torch.device):
         shape = (2, num_slots, num_blocks, *block_shape)
-        self.values = torch.zeros(shape, dtype=torch.int8 if quantized else dtype, device=device)
+        values_dtype = torch.int8 if quantized else dtype
+        self.values = (huge_pages.empty(shape, values_dtype) if device.type == "cpu"
+                       else torch.zeros(shape, dtype=values_dtype, device=device))
         self.scales = (torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
                        if quantized else None)
         self.rotation = hadamard(block_shape[-1]).to(device) if quantized else None
