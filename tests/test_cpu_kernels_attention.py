@@ -1,14 +1,10 @@
 """The C++ paged decode-attention kernel (csrc/paged_decode_attention.cpp) computes what plain
 PyTorch computes on the gathered blocks: GQA / MHA / MQA, several head dims, shuffled blocks,
-ALiBi, sliding windows; and what PagedAttention._decode computes from the engine's metadata."""
-import numpy as np
+ALiBi, sliding windows. (How PagedAttention routes a step's rows to it: test_cpu_kernels_prefill.)"""
 import pytest
 import torch
 
 from tritonlm.layers import cpu_kernels
-from tritonlm.layers.attention import PagedAttention
-from tritonlm.layers.attention_metadata import AttentionSpec, StepLayout, build_metadata
-from tritonlm.layers.kv_cache import LayerKV
 
 
 @pytest.fixture(scope="module")
@@ -167,36 +163,6 @@ def test_two_threads_match_one(kernel):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
-
-
-@pytest.mark.parametrize("window", [0, 7])
-def test_paged_attention_with_the_kernel_equals_the_pytorch_path(kernel, window):
-    """A step of five decodes and one prefill chunk: with the kernels, the engine's metadata sends
-    the decodes (blocks as rows of the [num_blocks * Hkv, bs, D] view, context lengths) to the
-    decode kernel and the chunk to the prefill kernel; the outputs are the PyTorch path's."""
-    hq, hkv, head_dim, bs, num_blocks = 9, 3, 64, 16, 40
-    lens = np.array([1, 1, 1, 5, 1, 1])
-    context = np.array([1, 16, 17, 45, 3, 32])
-    rng = np.random.default_rng(0)
-    tables = np.stack([rng.permutation(num_blocks)[:4] for _ in context])
-    first = np.cumsum(lens) - lens
-    positions = np.concatenate([np.arange(c - n, c) for c, n in zip(context, lens)])
-    layout = StepLayout(lens=lens, starts=context - lens, first=first, positions=positions,
-                        tables=tables, block_size=bs)
-    spec = AttentionSpec(num_kv_heads=hkv, sliding_window=window or None)
-    attn = PagedAttention(hq, hkv, head_dim, head_dim ** -0.5, sliding_window=window or None)
-    g = torch.Generator().manual_seed(1)
-    shape = (num_blocks, hkv, bs, head_dim)
-    attn.kv = LayerKV(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
-    q = torch.randn(int(lens.sum()), hq, head_dim, generator=g)
-    expected = attn.attend(q, build_metadata(layout, spec, False, torch.from_numpy))
-    meta = build_metadata(layout, spec, False, torch.from_numpy, cpu_kernel=True)
-    (decode,) = meta.decode
-    assert decode.token_index.tolist() == first[lens == 1].tolist()
-    assert decode.context_lens.tolist() == context[lens == 1].tolist()
-    assert meta.prefill_rows.query_starts.tolist() == [first[3]]
-    attn.cpu_kernels = kernel
-    torch.testing.assert_close(attn.attend(q, meta), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_bad_inputs_raise_clear_errors(kernel):

@@ -1,6 +1,7 @@
 """The C++ paged prefill-attention kernel (csrc/paged_prefill_attention.cpp): rows of several
 queries (whole prompts, chunks after cached tokens) attend causally over blocks read in place, as
-plain PyTorch computes on the gathered keys; and PagedAttention sends prefill rows to it."""
+plain PyTorch computes on the gathered keys; and PagedAttention sends each row of a step to the
+decode or the prefill kernel."""
 import numpy as np
 import pytest
 import torch
@@ -147,10 +148,11 @@ def test_bad_inputs_raise_clear_errors(kernel):
 
 
 @pytest.mark.parametrize("window", [0, 7])
-def test_paged_attention_sends_prefill_rows_to_the_kernel(kernel, window):
-    """A step of decodes, a whole prompt and a chunk after cached tokens: with the kernel the
-    metadata carries the prefill rows' token ranges and contexts instead of padded masks, and the
-    output is the SDPA path's."""
+def test_paged_attention_sends_each_row_to_its_kernel(kernel, window):
+    """A step of decodes, a whole prompt and a chunk after cached tokens: with the kernels the
+    metadata sends the decodes (blocks, context lengths) to the decode kernel and the prefill
+    rows' token ranges and contexts to the prefill kernel instead of padded masks; the output is
+    the PyTorch path's (batched matmuls for decodes, SDPA for prefill)."""
     hq, hkv, head_dim, bs, num_blocks = 9, 3, 64, 16, 40
     lens = np.array([1, 21, 1, 5, 1])
     context = np.array([1, 21, 17, 45, 32])
@@ -168,6 +170,9 @@ def test_paged_attention_sends_prefill_rows_to_the_kernel(kernel, window):
     q = torch.randn(int(lens.sum()), hq, head_dim, generator=g)
     expected = attn.attend(q, build_metadata(layout, spec, False, torch.from_numpy))
     meta = build_metadata(layout, spec, False, torch.from_numpy, cpu_kernel=True)
+    (decode,) = meta.decode
+    assert decode.token_index.tolist() == first[lens == 1].tolist()
+    assert decode.context_lens.tolist() == context[lens == 1].tolist()
     assert meta.prefill_token_index is None and meta.prefill_mask is None
     prefill = meta.prefill_rows
     assert prefill.query_starts.tolist() == first[lens > 1].tolist()
