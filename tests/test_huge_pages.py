@@ -25,10 +25,13 @@ def huge_bytes_backing(tensor: torch.Tensor) -> int:
     return total
 
 
-def test_empty_is_zeroed_with_the_asked_shape():
-    tensor = huge_pages.empty((3, 5, 7), torch.bfloat16)
-    assert tensor.shape == (3, 5, 7) and tensor.dtype == torch.bfloat16
+@pytest.mark.parametrize("shape", [(3, 5, 7), (0, 4), (1 << 20, 3)])
+def test_empty_is_zeroed_with_the_asked_shape(shape):
+    tensor = huge_pages.empty(shape, torch.bfloat16)
+    assert tensor.shape == shape and tensor.dtype == torch.bfloat16
     assert torch.equal(tensor, torch.zeros_like(tensor))
+    tensor.fill_(1)  # writable, and its memory outlives this function's mapping object
+    assert float(tensor.float().sum()) == tensor.numel()
 
 
 @pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),

@@ -50,7 +50,16 @@ def step_lengths(positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tens
         return torch.repeat_interleave(meta.cu_seqlens_k.diff(), meta.cu_seqlens_q.diff(),
                                        output_size=positions.shape[0])
     lengths = positions + 1  # right for decode rows, whose one token is the last
-    if meta.prefill_token_index is not None:
+    if meta.prefill_rows is not None:  # the CPU kernel's: each row's tokens are contiguous
+        rows = meta.prefill_rows
+        total = int(rows.query_lens.sum())
+        row_first = torch.repeat_interleave(rows.query_starts - (rows.query_lens.cumsum(0)
+                                                                 - rows.query_lens),
+                                            rows.query_lens, output_size=total)
+        index = row_first + torch.arange(total, device=positions.device)
+        lengths[index] = torch.repeat_interleave(rows.context_lens, rows.query_lens,
+                                                 output_size=total)
+    elif meta.prefill_token_index is not None:
         index, valid = meta.prefill_token_index, meta.prefill_token_valid
         row_length = torch.where(valid, positions[index], -1).amax(dim=1, keepdim=True) + 1
         lengths[index[valid]] = row_length.expand_as(index)[valid]
