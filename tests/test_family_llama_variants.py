@@ -8,7 +8,6 @@ from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCa
 
 from family_check import assert_matches_transformers
 from tritonlm.layers.attention_metadata import AttentionSpec, StepLayout, build_metadata
-from tritonlm.layers.rotary import step_lengths
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15)
@@ -91,17 +90,18 @@ def test_qwen2_mixed_windows_match_transformers(tmp_path, smollm2_tokenizer):
                                 smollm2_tokenizer)
 
 
-@pytest.mark.parametrize("use_flash", [False, True], ids=["torch-metadata", "flash-metadata"])
-def test_step_lengths_per_token(use_flash):
+@pytest.mark.parametrize("use_flash,cpu_kernel", [(False, False), (True, False), (False, True)],
+                         ids=["torch-metadata", "flash-metadata", "cpu-kernel-metadata"])
+def test_sequence_lengths_per_token(use_flash, cpu_kernel):
     """A decode at position 9, a prefill chunk of positions 3..7 and a new prompt of 2 tokens."""
     lens, starts = np.array([1, 5, 2]), np.array([9, 3, 0])
     first = np.cumsum(lens) - lens
     positions = np.repeat(starts - first, lens) + np.arange(lens.sum())
     tables = np.arange(6).reshape(3, 2)
     layout = StepLayout(lens, starts, first, positions, tables, block_size=8)
-    meta = build_metadata(layout, AttentionSpec(num_kv_heads=1), use_flash, torch.from_numpy)
-    lengths = step_lengths(torch.from_numpy(positions), meta)
-    assert lengths.tolist() == [10, 8, 8, 8, 8, 8, 2, 2]
+    meta = build_metadata(layout, AttentionSpec(num_kv_heads=1), use_flash, torch.from_numpy,
+                          cpu_kernel)
+    assert meta.seq_lens.tolist() == [10, 8, 8, 8, 8, 8, 2, 2]
 
 
 def test_many_decodes_of_mixed_lengths_grouped_by_context(tmp_path, smollm2_tokenizer):

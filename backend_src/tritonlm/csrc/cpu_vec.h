@@ -21,12 +21,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 namespace tritonlm {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int W = Vec::size();
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline Vec load_float(const float* p) { return Vec::loadu(p); }
 inline Vec load_float(const c10::BFloat16* p) {

@@ -10,14 +10,11 @@
 
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <optional>
 #include <vector>
 
 namespace tritonlm {
 namespace {
-
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // n contiguous values to float32.
 template <typename T>

@@ -9,7 +9,6 @@
 #include "cpu_vec.h"
 
 #include <cmath>
-#include <limits>
 #include <optional>
 #include <vector>
 
@@ -18,7 +17,6 @@ namespace {
 
 constexpr int64_t kTile = 16;  // queries per task
 constexpr int64_t kGroup = 4;  // query rows scored and accumulated together (register tiles)
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Per thread. Query rows (i * G + g) are padded to a multiple of kGroup, features to a multiple
 // of W (zeros), so every vector load is whole.

@@ -42,6 +42,8 @@ class AttentionMetadata:
     """Where this step's K/V go in the cache and which cached tokens each query sees."""
     # PyTorch backend: rows of the cache viewed [num_blocks * Hkv * bs, D] for each new (token, head).
     write_rows: torch.Tensor | None = None  # [T * Hkv]
+    # Per token: its row's key count once this step's tokens are in (dynamic NTK rotary).
+    seq_lens: torch.Tensor | None = None  # [T]
     # Rows with a single query token (decodes), grouped by context length.
     decode: "list[DecodeRows]" = field(default_factory=list)
     # Rows with several query tokens (prefill chunks): for the CPU kernel, or padded to the
@@ -96,10 +98,13 @@ def build_metadata(layout: StepLayout, spec: AttentionSpec, use_flash: bool,
                    cpu_kernel: bool = False) -> AttentionMetadata:
     """`cpu_kernel`: decode rows, and causal rows of several queries, are for the CPU kernels
     (layers/cpu_kernels.py)."""
+    seq_lens = to_tensor(np.repeat(layout.context, layout.lens))
     if use_flash:
-        return _flash_metadata(layout, spec, to_tensor)
+        meta = _flash_metadata(layout, spec, to_tensor)
+        meta.seq_lens = seq_lens
+        return meta
     heads = np.arange(spec.num_kv_heads)
-    meta = AttentionMetadata()
+    meta = AttentionMetadata(seq_lens=seq_lens)
     if spec.causal:
         meta.write_rows = to_tensor(write_locations(layout.tables, layout.lens, layout.positions,
                                                     layout.block_size, spec.num_kv_heads, False))

@@ -44,28 +44,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
-def step_lengths(positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """Per token: its sequence's length once this step's tokens are in (last position + 1)."""
-    if meta.cu_seqlens_q is not None:  # flash-attn metadata: rows' query and key counts
-        return torch.repeat_interleave(meta.cu_seqlens_k.diff(), meta.cu_seqlens_q.diff(),
-                                       output_size=positions.shape[0])
-    lengths = positions + 1  # right for decode rows, whose one token is the last
-    if meta.prefill_rows is not None:  # the CPU kernel's: each row's tokens are contiguous
-        rows = meta.prefill_rows
-        total = int(rows.query_lens.sum())
-        row_first = torch.repeat_interleave(rows.query_starts - (rows.query_lens.cumsum(0)
-                                                                 - rows.query_lens),
-                                            rows.query_lens, output_size=total)
-        index = row_first + torch.arange(total, device=positions.device)
-        lengths[index] = torch.repeat_interleave(rows.context_lens, rows.query_lens,
-                                                 output_size=total)
-    elif meta.prefill_token_index is not None:
-        index, valid = meta.prefill_token_index, meta.prefill_token_valid
-        row_length = torch.where(valid, positions[index], -1).amax(dim=1, keepdim=True) + 1
-        lengths[index[valid]] = row_length.expand_as(index)[valid]
-    return lengths
-
-
 class RotaryEmbedding(nn.Module):
     """The cos and sin `apply_rotary` turns the first `rotary_dim` features of each head by."""
 
@@ -89,8 +67,7 @@ class RotaryEmbedding(nn.Module):
         """This step's per-token cos and sin, computed once for every layer; dynamic NTK reads
         each token's sequence length from `meta`."""
         if self.dynamic:
-            freqs = positions[:, None].float() * self._dynamic_inverse_frequencies(
-                step_lengths(positions, meta))
+            freqs = positions[:, None].float() * self._dynamic_inverse_frequencies(meta.seq_lens)
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos(), emb.sin()
         else:
