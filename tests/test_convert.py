@@ -359,3 +359,12 @@ def test_kv_cache_memory_sizes_the_cache(tiny, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tiny[0]), "--output", str(tmp_path / "other"), "--kv-cache-memory", "lots"])
     assert "not a memory size: 'lots'" in capsys.readouterr().err
+
+
+def test_gpu_memory_utilization_is_recorded_and_checked(tiny, tmp_path, capsys):
+    main([str(tiny[0]), "--output", str(tmp_path / "repo"), "--gpu-memory-utilization", "0.5"])
+    assert EngineConfig.load(tmp_path / "repo" / "llm" / "1").gpu_memory_utilization == 0.5
+    with pytest.raises(SystemExit):
+        main([str(tiny[0]), "--output", str(tmp_path / "other"), "--gpu-memory-utilization", "1.5"])
+    assert "gpu_memory_utilization must be in (0, 1], got 1.5" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()

@@ -5,9 +5,11 @@ from pathlib import Path
 import torch
 
 from tritonlm.engine.llm_engine import LLMEngine
-from tritonlm.quality import perplexity
+from tritonlm.quality import perplexity, report
 
-TEXT = (Path(__file__).parent / "data" / "english_text.txt").read_text()
+# Botchan's opening (public domain), about 1,000 tokens
+TEXT = "\n".join((Path(__file__).parent / "data" / "botchan_chapters_1_2.txt").read_text()
+                 .splitlines()[:60])
 WINDOW = 256
 
 
@@ -29,6 +31,21 @@ def test_smollm2_perplexity_equals_transformers(smollm2_repo, smollm2_hf):
     assert len(token_ids) > 3 * WINDOW
     assert math.isclose(ours, hf_perplexity(smollm2_hf, token_ids, WINDOW), rel_tol=1e-4)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_report_gives_transformers_greedy_continuations(smollm2_repo, smollm2_hf, smollm2_tokenizer):
+    from conftest import hf_greedy
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    result = report(smollm2_repo, TEXT, WINDOW, prompts, max_tokens=12, num_kv_blocks=64)
+    for prompt in prompts:
+        ids = smollm2_tokenizer(prompt)["input_ids"]
+        continuation = hf_greedy(smollm2_hf, ids, 12)
+        eos = smollm2_tokenizer.eos_token_id
+        continuation = continuation[:continuation.index(eos)] if eos in continuation else continuation
+        expected = smollm2_tokenizer.decode(continuation, skip_special_tokens=True)
+        assert result["greedy"][prompt] == expected
+    assert result["tokens"] > 3 * WINDOW and result["perplexity"] > 1
+    assert result["weight_bytes"] > 0 and result["kv_blocks"] == 64
 
 
 def _perplexity(model_dir, **overrides) -> float:

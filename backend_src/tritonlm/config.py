@@ -15,9 +15,11 @@ class EngineConfig:
     dtype: str = "float32"
     max_model_len: int = 2048
     block_size: int = 16
-    # KV blocks to allocate; None sizes the cache from kv_cache_memory.
+    # KV blocks to allocate; None sizes the cache: from kv_cache_memory on CPU, on CUDA from
+    # gpu_memory_utilization (the fraction of the GPU this instance may use, weights included).
     num_kv_blocks: int | None = None
     kv_cache_memory: int = 1 << 30
+    gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -37,6 +39,8 @@ class EngineConfig:
                      "tensor_parallel_size", "kv_cache_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 

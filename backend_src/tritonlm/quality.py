@@ -1,7 +1,12 @@
 """Quality and memory of a converted model: perplexity over a text, computed by the engine's own
-model and paged KV cache (so quantized weights and an int8 cache count), weight bytes and KV blocks.
+model and paged KV cache (so quantized weights and an int8 cache count), weight bytes, KV blocks
+and greedy continuations of a few prompts.
 
 python -m tritonlm.quality --model REPO/NAME [--text FILE] [--kv-cache-dtype int8] [--window 512]
+                           [--prompt TEXT ...] [--max-tokens 24]
+
+The default text is chapters I-II of Natsume's "Botchan" (Project Gutenberg EBook #8868, public
+domain; about 10,400 SmolLM2 tokens); chapters III-XI are the GPTQ calibration text.
 """
 import argparse
 import json
@@ -15,7 +20,11 @@ from tritonlm.config import WEIGHTS_DIR
 from tritonlm.engine.llm_engine import LLMEngine, resolve_model_dir
 from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.step_plan import ScheduledChunk
+from tritonlm.offline import LLM
 from tritonlm.sampling_params import SamplingParams
+
+TEXTS = Path(__file__).parents[2] / "tests/data"
+PROMPTS = ("The capital of France is", "Once upon a time,", "def fibonacci(n):")
 
 
 @torch.inference_mode()
@@ -48,29 +57,34 @@ def weight_bytes(model_dir: str | Path) -> int:
     return sum(p.stat().st_size for p in weights.glob("rank*.safetensors"))
 
 
-def report(model_dir: str, text: str, window: int, **overrides) -> dict:
-    engine = LLMEngine(model_dir, **overrides)
-    try:
+def report(model_dir: str, text: str, window: int, prompts=PROMPTS, max_tokens: int = 24,
+           **overrides) -> dict:
+    with LLM(model_dir, **overrides) as llm:
+        engine = llm.engine
         token_ids = engine.tokenizer.encode(text)
+        greedy = llm.generate(list(prompts), SamplingParams(temperature=0, max_tokens=max_tokens))
         return {"model": str(model_dir), "kv_cache_dtype": engine.config.kv_cache_dtype,
                 "dtype": engine.config.dtype, "tokens": len(token_ids),
                 "perplexity": perplexity(engine, token_ids, window),
                 "weight_bytes": weight_bytes(model_dir), "kv_blocks": engine.runner.num_blocks,
-                "kv_cache_memory": engine.config.kv_cache_memory}
-    finally:
-        engine.shutdown()
+                "kv_cache_memory": engine.config.kv_cache_memory,
+                "greedy": {prompt: out.text for prompt, out in zip(prompts, greedy)}}
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a converted model directory")
-    parser.add_argument("--text", default=str(Path(__file__).parents[2] / "tests/data/english_text.txt"),
-                        help="the text to score (default: the tests' English text)")
+    parser.add_argument("--text", default=str(TEXTS / "botchan_chapters_1_2.txt"),
+                        help="the text to score (default: Botchan, chapters I-II)")
     parser.add_argument("--window", type=int, default=512, help="tokens per scored window")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"))
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--prompt", action="append", help="a prompt to continue greedily "
+                        "(repeatable; default: three fixed prompts)")
+    parser.add_argument("--max-tokens", type=int, default=24, help="tokens per greedy continuation")
     args = parser.parse_args(argv)
     result = report(args.model, Path(args.text).read_text(), args.window,
+                    args.prompt or PROMPTS, args.max_tokens,
                     kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype)
     print(json.dumps(result, indent=2))
 

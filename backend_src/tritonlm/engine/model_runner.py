@@ -7,6 +7,7 @@ import torch
 from tritonlm.config import WEIGHTS_DIR, EngineConfig
 from tritonlm.distributed import parallel_state
 from tritonlm.distributed.ranks import RankGroup, join_process_group
+from tritonlm.engine.kv_cache_sizing import cuda_kv_cache_budget, profile_steps
 from tritonlm.engine.step_inputs import StepInputBuilder
 from tritonlm.engine.step_plan import SampledToken, StepPlan
 from tritonlm.layers import cpu_kernels
@@ -41,6 +42,8 @@ class ModelRunner:
         self.device = resolve_device(config.device, tp.rank)
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.block_size
+        self.free_at_start = (torch.cuda.mem_get_info(self.device)[0]
+                              if self.device.type == "cuda" else None)
         self.model = load_model(weights_dir, hf_config, self.dtype, self.device,
                                 config.max_model_len, tp.rank)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
@@ -51,7 +54,6 @@ class ModelRunner:
                                                  config.kv_cache_dtype)
                           and all(layer.position_bias is None or hasattr(layer.position_bias, "slopes")
                                   for layer in self.attention_layers))  # flash knows only ALiBi
-        self.num_blocks = self._allocate_kv_cache()
         kernels = self._cpu_attention_kernels()
         self.inputs = StepInputBuilder(
             self.block_size, _attention_specs([a for a in self.attention_layers if a.causal]),
@@ -60,6 +62,9 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.cpu_kernels = kernels
         self.token_counts = TokenCounts(hf_config.vocab_size, self.device)
+        self.encoder_decoder = bool(getattr(hf_config, "is_encoder_decoder", False))
+        self.num_blocks = self._size_kv_cache()
+        self._allocate_kv_cache(self.num_blocks)
 
     def _cpu_attention_kernels(self):
         """The CPU kernels, where their paged attention can run every layer, or None: they read
@@ -70,25 +75,85 @@ class ModelRunner:
             return None
         return cpu_kernels.load()
 
-    def _allocate_kv_cache(self) -> int:
+    def _size_kv_cache(self) -> int:
+        """KV blocks: num_kv_blocks, or as many as the memory for them holds (the same on
+        every rank)."""
+        if self.config.num_kv_blocks:
+            return self.config.num_kv_blocks
+        per_block = self._bytes_per_block()
+        if self.device.type != "cuda":
+            budget, source = self.config.kv_cache_memory, f"kv_cache_memory {self.config.kv_cache_memory}"
+        else:
+            budget, source = self._profile_cuda_budget(), "the GPU memory left"
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"{source} holds no {per_block}-byte KV block")
+        if parallel_state.current().connected:  # ranks measure their own GPUs
+            count = torch.tensor([num_blocks], device=self.device)
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN)
+            num_blocks = int(count.item())
+        return num_blocks
+
+    def _cache_layout(self) -> tuple[dict, tuple[int, ...]]:
         first = self.attention_layers[0]
         block_shape = cache_block_shape(self.block_size, first.num_kv_heads, first.head_dim,
                                         self.use_flash)
         slots = {}  # kv_slot (or the layer itself) -> index of its cache slice
         for layer in self.attention_layers:
             slots.setdefault(layer if layer.kv_slot is None else layer.kv_slot, len(slots))
-        quantized = self.config.kv_cache_dtype == "int8"
-        bytes_per_block = KVCache.bytes_per_block(len(slots), block_shape, self.dtype, quantized)
-        num_blocks = self.config.num_kv_blocks or self.config.kv_cache_memory // bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory {self.config.kv_cache_memory} holds no "
-                             f"{bytes_per_block}-byte block")
-        self.kv_cache = KVCache(len(slots), num_blocks, block_shape, self.dtype, quantized,
-                                self.device)
+        return slots, block_shape
+
+    def _bytes_per_block(self) -> int:
+        slots, block_shape = self._cache_layout()
+        return KVCache.bytes_per_block(len(slots), block_shape, self.dtype,
+                                       self.config.kv_cache_dtype == "int8")
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        slots, block_shape = self._cache_layout()
+        self._use_kv_cache(KVCache(len(slots), num_blocks, block_shape, self.dtype,
+                                   self.config.kv_cache_dtype == "int8", self.device))
+
+    def _use_kv_cache(self, cache: KVCache | None) -> None:
+        slots, _ = self._cache_layout()
+        self.kv_cache = cache
         for layer in self.attention_layers:
-            layer.kv = self.kv_cache.layer(slots[layer if layer.kv_slot is None else layer.kv_slot])
+            slot = slots[layer if layer.kv_slot is None else layer.kv_slot]
+            layer.kv = None if cache is None else cache.layer(slot)
             layer.use_flash = self.use_flash
+
+    @torch.inference_mode()
+    def run_profile_steps(self) -> int:
+        """Run the largest steps the scheduler can plan (kv_cache_sizing.profile_steps) on a
+        temporary cache of just their blocks; the cache in use before (if any) is back after.
+        Every rank runs them (their collectives pair up); only the driver samples. Returns the
+        temporary cache's block count."""
+        config = self.config
+        steps, num_blocks = profile_steps(config.max_num_batched_tokens, config.max_model_len,
+                                          config.max_num_seqs, self.block_size,
+                                          self.encoder_decoder)
+        previous = getattr(self, "kv_cache", None)
+        self._allocate_kv_cache(num_blocks)
+        try:
+            for plan in steps:
+                hidden, inputs = self._forward(plan)
+                if self.is_driver:
+                    self._sample(plan, hidden, inputs.sample_index)
+        finally:
+            self.token_counts.release([c.seq_id for plan in steps for c in plan.chunks])
+            self._use_kv_cache(previous)
         return num_blocks
+
+    def _profile_cuda_budget(self) -> int:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        cache_bytes = self.run_profile_steps() * self._bytes_per_block()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - cache_bytes
+        torch.cuda.empty_cache()
+        free_now, total = torch.cuda.mem_get_info(self.device)
+        return cuda_kv_cache_budget(total, self.free_at_start, free_now,
+                                    torch.cuda.memory_reserved(self.device), peak,
+                                    self.config.gpu_memory_utilization)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> dict[int, SampledToken]:

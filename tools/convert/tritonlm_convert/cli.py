@@ -44,7 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="KV cache dtype; auto: the model dtype, int8: 8-bit quantized (default: auto)")
     parser.add_argument("--kv-cache-memory", type=memory_size, metavar="SIZE",
-                        help="memory for the KV cache per rank, e.g. 4GiB, 512MiB or bytes (default: 1GiB)")
+                        help="CPU: memory for the KV cache per rank, e.g. 4GiB, 512MiB or bytes (default: 1GiB)")
+    parser.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION",
+                        help="CUDA: the fraction of each GPU the instance may use, weights and "
+                             "activations included; the KV cache gets the rest (default: 0.9)")
     return parser
 
 
@@ -71,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
                             instance_kind=args.instance_kind, chat_template=args.chat_template,
                             tp=args.tp, quantize=args.quantize, group_size=args.group_size,
                             calibration=args.calibration, keep_quantized=args.keep_quantized,
-                            kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory)
+                            kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
+                            gpu_memory_utilization=args.gpu_memory_utilization)
     except (ConversionError, OSError) as e:
         parser.exit(1, f"{parser.prog}: error: {' '.join(str(e).split())}\n")
     print(f"wrote {model_dir}")

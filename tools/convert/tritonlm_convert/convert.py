@@ -137,7 +137,8 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
             instance_kind: str | None = None, chat_template: str | Path | None = None,
             tp: int = 1, quantize: str | None = None, group_size: int | None = None,
             calibration: str | Path | None = None, keep_quantized: bool = False,
-            kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None) -> Path:
+            kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None,
+            gpu_memory_utilization: float | None = None) -> Path:
     """Convert SRC into the Triton model directory OUTPUT/NAME and return its path."""
     if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*", name):
         raise ConversionError(f"model name {name!r} must be a plain directory name")
@@ -153,6 +154,15 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
     source = open_source(src, trust_pickle)
     dtype = resolve_dtype(dtype, source.stored_dtype)
     resolved = resolve_config(source.raw_config)
+    sized = {name: value for name, value in (("kv_cache_memory", kv_cache_memory),
+                                             ("gpu_memory_utilization", gpu_memory_utilization))
+             if value is not None}
+    try:
+        engine = EngineConfig(dtype=dtype, tensor_parallel_size=tp, kv_cache_dtype=kv_cache_dtype,
+                              max_model_len=resolve_max_model_len(max_model_len, context_limit(resolved)),
+                              **sized)
+    except ValueError as error:
+        raise ConversionError(str(error)) from error
     source = quantize_source(source, resolved, quantize, group_size, calibration, keep_quantized)
     shards = select_tensors(resolved, source.tensor_shapes(), source.load, tp)
     config = canonical_config(resolved, dtype)
@@ -162,10 +172,6 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
     if len(tokenizer) > config["vocab_size"]:
         raise ConversionError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's "
                               f"vocab_size {config['vocab_size']}")
-    sized = {"kv_cache_memory": kv_cache_memory} if kv_cache_memory else {}
-    engine = EngineConfig(dtype=dtype, tensor_parallel_size=tp, kv_cache_dtype=kv_cache_dtype,
-                          max_model_len=resolve_max_model_len(max_model_len, context_limit(resolved)),
-                          **sized)
     parameters = {
         "architecture": config["architectures"][0],
         "max_model_len": str(engine.max_model_len),

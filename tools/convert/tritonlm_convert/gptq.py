@@ -242,7 +242,7 @@ def _follows(layer: str, previous: str) -> bool:
 
 def gptq_quantize(hf_dir: Path, weight_names: list[str], bits: int, group_size: int,
                   calibration_text: str, act_order: bool = True, sequence_length: int = 512,
-                  max_sequences: int = 16) -> dict[str, dict[str, torch.Tensor]]:
+                  max_sequences: int = 128) -> dict[str, dict[str, torch.Tensor]]:
     """GPTQ-quantize the named linear weights (`<module>.weight`, Hugging Face names) of the model
     in hf_dir to `bits` (4: asymmetric, 8: symmetric); weight name -> its quantized tensors
     (qweight, scales, [biases,] g_idx)."""

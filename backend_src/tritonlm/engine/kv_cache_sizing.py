@@ -1,0 +1,72 @@
+"""How much memory the KV cache gets. On CPU: kv_cache_memory. On CUDA (vLLM's
+--gpu-memory-utilization): the instance may use that fraction of the GPU for everything, so the
+cache gets what is left of it after the weights, the peak of the largest steps the scheduler can
+plan (run once on a temporary cache to measure it) and what CUDA, cuBLAS and NCCL hold outside
+torch's allocator."""
+from tritonlm.engine.step_plan import SamplingRow, ScheduledChunk, StepPlan
+from tritonlm.sampling_params import MAX_LOGPROBS, SamplingParams
+
+GIB = 1 << 30
+
+# The costliest sampling a row can ask for: truncation (sorts over the vocabulary), penalties
+# (per-sequence token counts) and the most logprobs.
+_PROFILE_SAMPLING = SamplingRow(
+    SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, typical_p=0.95,
+                   repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1,
+                   logprobs=MAX_LOGPROBS),
+    seed=0, output_index=0, banned=())
+
+
+def cuda_kv_cache_budget(total: int, free_at_start: int, free_now: int, reserved_now: int,
+                         peak_allocated: int, utilization: float) -> int:
+    """Bytes for the KV cache: `utilization` of the GPU's `total` memory, less torch's peak
+    (weights and the profiled steps) and what this process holds outside torch's allocator
+    (what it took since it started, `free_at_start - free_now`, beyond torch's `reserved_now`)."""
+    requested = int(total * utilization)
+    if requested > free_at_start:
+        raise ValueError(
+            f"gpu_memory_utilization {utilization} asks for {requested / GIB:.2f} GiB but only "
+            f"{free_at_start / GIB:.2f} of {total / GIB:.2f} GiB were free when the engine started "
+            f"(other processes hold the rest); lower gpu_memory_utilization")
+    outside_torch = max(0, free_at_start - free_now - reserved_now)
+    budget = requested - peak_allocated - outside_torch
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization {utilization} ({requested / GIB:.2f} GiB) leaves nothing for "
+            f"the KV cache: the weights and the largest step peak at {peak_allocated / GIB:.2f} GiB "
+            f"and {outside_torch / GIB:.2f} GiB is held outside torch; raise it, or lower "
+            f"max_num_batched_tokens or max_num_seqs")
+    return budget
+
+
+def profile_steps(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int,
+                  block_size: int, encoder_decoder: bool = False) -> tuple[list[StepPlan], int]:
+    """The two largest steps the scheduler can plan, and the KV blocks they need: a prefill of
+    max_num_batched_tokens tokens (prompts of at most max_model_len), then a decode of as many
+    sequences as may run at once; every row samples with the costliest settings. Encoder-decoder
+    rows encode their prompt too (their cross-attention K/V take blocks of their own)."""
+    lengths = [min(max_model_len, max_num_batched_tokens - start)
+               for start in range(0, max_num_batched_tokens, max_model_len)][:max_num_seqs]
+    decodes = min(max_num_seqs, max_num_batched_tokens)
+    next_block = 0
+
+    def take(count: int) -> list[int]:
+        nonlocal next_block
+        next_block += count
+        return list(range(next_block - count, next_block))
+
+    def chunk(seq_id: int, length: int, decode: bool) -> ScheduledChunk:
+        """A prompt of `length` tokens, or (decode) one token after such a prompt."""
+        blocks = -(-(length + decode) // block_size)
+        cross = {}
+        if encoder_decoder:
+            cross = {"encoder_token_ids": None if decode else [0] * length,
+                     "encoder_len": length, "cross_block_table": take(blocks)}
+        return ScheduledChunk(seq_id, [0] * (1 if decode else length), length if decode else 0,
+                              take(blocks), _PROFILE_SAMPLING, length, True,
+                              history=[0] * length if decode else [], **cross)
+
+    prefill = StepPlan([chunk(i, n, False) for i, n in enumerate(lengths)])
+    decode = StepPlan([chunk(len(lengths) + i, 1, True) for i in range(decodes)],
+                      finished_seq_ids=list(range(len(lengths))))
+    return [prefill, decode], next_block
