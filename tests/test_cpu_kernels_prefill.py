@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tritonlm.layers import cpu_kernels
-from tritonlm.layers.attention import PagedAttention
+from tritonlm.layers import cpu_kernels, triton_paged_attention
+from tritonlm.layers.attention import PagedAttention, PagedKernels
 from tritonlm.layers.attention_metadata import AttentionSpec, StepLayout, build_metadata
 from tritonlm.layers.kv_cache import LayerKV
 
@@ -148,11 +148,13 @@ def test_bad_inputs_raise_clear_errors(kernel):
 
 
 @pytest.mark.parametrize("window", [0, 7])
-def test_paged_attention_sends_each_row_to_its_kernel(kernel, window):
+@pytest.mark.parametrize("kernels", ["cpu", "triton-decode"])
+def test_paged_attention_sends_each_row_to_its_kernel(kernel, window, kernels):
     """A step of decodes, a whole prompt and a chunk after cached tokens: with the kernels the
-    metadata sends the decodes (blocks, context lengths) to the decode kernel and the prefill
-    rows' token ranges and contexts to the prefill kernel instead of padded masks; the output is
-    the PyTorch path's (batched matmuls for decodes, SDPA for prefill)."""
+    metadata sends the decodes (blocks, context lengths) to the decode kernel and, where there is
+    a prefill kernel (the CPU's; on CUDA the Triton decode kernel has none), the prefill rows'
+    token ranges and contexts instead of padded masks; the output is the PyTorch path's (batched
+    matmuls for decodes, SDPA for prefill)."""
     hq, hkv, head_dim, bs, num_blocks = 9, 3, 64, 16, 40
     lens = np.array([1, 21, 1, 5, 1])
     context = np.array([1, 21, 17, 45, 32])
@@ -169,14 +171,20 @@ def test_paged_attention_sends_each_row_to_its_kernel(kernel, window):
     attn.kv = LayerKV(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
     q = torch.randn(int(lens.sum()), hq, head_dim, generator=g)
     expected = attn.attend(q, build_metadata(layout, spec, False, torch.from_numpy))
-    meta = build_metadata(layout, spec, False, torch.from_numpy, cpu_kernel=True)
+    prefill_kernel = kernels == "cpu"
+    meta = build_metadata(layout, spec, False, torch.from_numpy, decode_kernel=True,
+                          prefill_kernel=prefill_kernel)
     (decode,) = meta.decode
     assert decode.token_index.tolist() == first[lens == 1].tolist()
     assert decode.context_lens.tolist() == context[lens == 1].tolist()
-    assert meta.prefill_token_index is None and meta.prefill_mask is None
-    prefill = meta.prefill_rows
-    assert prefill.query_starts.tolist() == first[lens > 1].tolist()
-    assert prefill.query_lens.tolist() == [21, 5]
-    assert prefill.context_lens.tolist() == [21, 45]
-    attn.cpu_kernels = kernel
+    if prefill_kernel:
+        assert meta.prefill_token_index is None and meta.prefill_mask is None
+        prefill = meta.prefill_rows
+        assert prefill.query_starts.tolist() == first[lens > 1].tolist()
+        assert prefill.query_lens.tolist() == [21, 5]
+        assert prefill.context_lens.tolist() == [21, 45]
+        attn.kernels = PagedKernels(kernel.decode_attention, kernel.prefill_attention)
+    else:
+        assert meta.prefill_rows is None and meta.prefill_mask is not None
+        attn.kernels = PagedKernels(decode=triton_paged_attention.decode_attention)
     torch.testing.assert_close(attn.attend(q, meta), expected, atol=1e-5, rtol=1e-5)

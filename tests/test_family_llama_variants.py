@@ -90,9 +90,9 @@ def test_qwen2_mixed_windows_match_transformers(tmp_path, smollm2_tokenizer):
                                 smollm2_tokenizer)
 
 
-@pytest.mark.parametrize("use_flash,cpu_kernel", [(False, False), (True, False), (False, True)],
-                         ids=["torch-metadata", "flash-metadata", "cpu-kernel-metadata"])
-def test_sequence_lengths_per_token(use_flash, cpu_kernel):
+@pytest.mark.parametrize("use_flash,kernels", [(False, False), (True, False), (False, True)],
+                         ids=["torch-metadata", "flash-metadata", "paged-kernel-metadata"])
+def test_sequence_lengths_per_token(use_flash, kernels):
     """A decode at position 9, a prefill chunk of positions 3..7 and a new prompt of 2 tokens."""
     lens, starts = np.array([1, 5, 2]), np.array([9, 3, 0])
     first = np.cumsum(lens) - lens
@@ -100,7 +100,7 @@ def test_sequence_lengths_per_token(use_flash, cpu_kernel):
     tables = np.arange(6).reshape(3, 2)
     layout = StepLayout(lens, starts, first, positions, tables, block_size=8)
     meta = build_metadata(layout, AttentionSpec(num_kv_heads=1), use_flash, torch.from_numpy,
-                          cpu_kernel)
+                          decode_kernel=kernels, prefill_kernel=kernels)
     assert meta.seq_lens.tolist() == [10, 8, 8, 8, 8, 8, 2, 2]
 
 

@@ -10,8 +10,9 @@ from tritonlm.distributed.ranks import RankGroup, join_process_group
 from tritonlm.engine.kv_cache_sizing import cuda_kv_cache_budget, profile_steps
 from tritonlm.engine.step_inputs import StepInputBuilder
 from tritonlm.engine.step_plan import SampledToken, StepPlan
-from tritonlm.layers import cpu_kernels
-from tritonlm.layers.attention import PagedAttention, cache_block_shape, flash_attention_usable
+from tritonlm.layers import cpu_kernels, triton_paged_attention
+from tritonlm.layers.attention import (PagedAttention, PagedKernels, cache_block_shape,
+                                       flash_attention_usable)
 from tritonlm.layers.attention_metadata import AttentionSpec
 from tritonlm.layers.kv_cache import KVCache
 from tritonlm.layers.sampler import SamplingTensors, sample
@@ -54,26 +55,32 @@ class ModelRunner:
                                                  config.kv_cache_dtype)
                           and all(layer.position_bias is None or hasattr(layer.position_bias, "slopes")
                                   for layer in self.attention_layers))  # flash knows only ALiBi
-        kernels = self._cpu_attention_kernels()
+        kernels = self._paged_kernels()
         self.inputs = StepInputBuilder(
             self.block_size, _attention_specs([a for a in self.attention_layers if a.causal]),
             _attention_specs([a for a in self.attention_layers if not a.causal]),
-            self.use_flash, self.device, kernels is not None)
+            self.use_flash, self.device, kernels.decode is not None, kernels.prefill is not None)
         for layer in self.attention_layers:
-            layer.cpu_kernels = kernels
+            layer.kernels = kernels
         self.token_counts = TokenCounts(hf_config.vocab_size, self.device)
         self.encoder_decoder = bool(getattr(hf_config, "is_encoder_decoder", False))
         self.num_blocks = self._size_kv_cache()
         self._allocate_kv_cache(self.num_blocks)
 
-    def _cpu_attention_kernels(self):
-        """The CPU kernels, where their paged attention can run every layer, or None: they read
-        a 16- or 32-bit cache and know ALiBi, not T5's relative buckets."""
-        if (self.device.type != "cpu" or self.use_flash or self.config.kv_cache_dtype != "auto"
+    def _paged_kernels(self) -> PagedKernels:
+        """The kernels that read the paged cache in place, where they can run every layer: they
+        read a 16- or 32-bit cache and know ALiBi, not T5's relative buckets. On CPU the C++
+        decode and prefill kernels; on CUDA without flash-attn the Triton decode kernel."""
+        if (self.use_flash or self.config.kv_cache_dtype != "auto"
                 or not all(layer.position_bias is None or hasattr(layer.position_bias, "slopes")
                            for layer in self.attention_layers)):
-            return None
-        return cpu_kernels.load()
+            return PagedKernels()
+        if self.device.type == "cuda" and triton_paged_attention.available(self.device):
+            return PagedKernels(decode=triton_paged_attention.decode_attention)
+        module = cpu_kernels.load() if self.device.type == "cpu" else None
+        if module is None:
+            return PagedKernels()
+        return PagedKernels(module.decode_attention, module.prefill_attention)
 
     def _size_kv_cache(self) -> int:
         """KV blocks: num_kv_blocks, or as many as the memory for them holds (the same on

@@ -21,13 +21,14 @@ class StepInputs:
 class StepInputBuilder:
     def __init__(self, block_size: int, self_specs: list[AttentionSpec],
                  cross_specs: list[AttentionSpec], use_flash: bool, device: torch.device,
-                 cpu_kernel: bool = False):
+                 decode_kernel: bool = False, prefill_kernel: bool = False):
         self.block_size = block_size
         # Layers with another sliding window (Qwen2's, Gemma 2's mixes) get masks of their own.
         self.self_spec, *self.window_specs = self_specs
         self.cross_spec = cross_specs[0] if cross_specs else None
         self.use_flash = use_flash
-        self.cpu_kernel = cpu_kernel  # attention runs in the CPU kernels (layers/cpu_kernels.py)
+        # which rows' attention runs in paged kernels (layers/attention.py's PagedKernels)
+        self.kernels = {"decode_kernel": decode_kernel, "prefill_kernel": prefill_kernel}
         self.device = device
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
@@ -43,9 +44,9 @@ class StepInputBuilder:
         layout = StepLayout(lens, starts, first, positions,
                             _tables([c.block_table for c in chunks]), self.block_size)
         meta = build_metadata(layout, self.self_spec, self.use_flash, self._tensor,
-                              self.cpu_kernel)
+                              **self.kernels)
         meta.by_window = {spec.sliding_window: build_metadata(layout, spec, self.use_flash,
-                                                             self._tensor, self.cpu_kernel)
+                                                             self._tensor, **self.kernels)
                           for spec in self.window_specs}
         if self.cross_spec is not None:
             self._add_encoder_inputs(chunks, layout, meta)
@@ -61,7 +62,7 @@ class StepInputBuilder:
         cross = StepLayout(layout.lens, np.zeros_like(layout.starts), layout.first,
                            layout.positions, cross_tables, self.block_size, kv_lens=encoder_lens)
         meta.cross = build_metadata(cross, self.cross_spec, self.use_flash, self._tensor,
-                                    self.cpu_kernel)
+                                    **self.kernels)
         encoding = [i for i, c in enumerate(chunks) if c.encoder_token_ids is not None]
         if not encoding:
             return

@@ -8,6 +8,9 @@ Cache layout per layer, by backend:
 An int8 cache (layers/kv_cache.py) is dequantized as it is gathered, and holds K/V rotated:
 queries are rotated into its basis and outputs back. flash-attn cannot read it.
 """
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,6 +41,16 @@ def cache_block_shape(block_size: int, num_kv_heads: int, head_dim: int, use_fla
     return num_kv_heads, block_size, head_dim
 
 
+@dataclass(frozen=True)
+class PagedKernels:
+    """Kernels that read K/V where they lie in the paged cache, picked per device by the model
+    runner, with the CPU kernels' arguments (layers/cpu_kernels.py): `decode` for rows of one
+    query (the C++ kernel, or on CUDA the Triton one), `prefill` for causal rows of several
+    (C++ only). None: that part takes the PyTorch path."""
+    decode: Callable | None = None
+    prefill: Callable | None = None
+
+
 class PagedAttention(nn.Module):
     """Attention over the paged cache. Self-attention (causal) writes this step's K/V and attends;
     cross-attention (causal=False) attends to K/V written once by `write` when the encoder ran.
@@ -58,7 +71,7 @@ class PagedAttention(nn.Module):
         self.causal = causal
         self.kv_slot = kv_slot
         self.use_flash = False
-        self.cpu_kernels = None  # the CPU kernels' extension, when the runner uses its attention
+        self.kernels = PagedKernels()  # set by the model runner
         # Assigned by the model runner once the cache is allocated.
         self.kv = LayerKV(torch.empty(0), torch.empty(0))
 
@@ -83,10 +96,10 @@ class PagedAttention(nn.Module):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for rows in meta.decode:
             out[rows.token_index] = self._decode(q[rows.token_index], rows)
-        if meta.prefill_rows is not None:  # the CPU kernel writes its rows' tokens of `out`
+        if meta.prefill_rows is not None:  # the kernel writes its rows' tokens of `out`
             rows = meta.prefill_rows
             block_size, head_dim = self.kv.key.shape[-2:]
-            self.cpu_kernels.prefill_attention(
+            self.kernels.prefill(
                 q.contiguous(), self.kv.key.view(-1, block_size, head_dim),
                 self.kv.value.view(-1, block_size, head_dim), rows.blocks, rows.query_starts,
                 rows.query_lens, rows.context_lens, self.scale,
@@ -106,9 +119,9 @@ class PagedAttention(nn.Module):
         return self.kv.unrotate(out)
 
     def _decode(self, q: torch.Tensor, decode: DecodeRows) -> torch.Tensor:
-        if decode.context_lens is not None:  # the CPU kernel reads the blocks where they are
+        if decode.context_lens is not None:  # the kernel reads the blocks where they are
             block_size, head_dim = self.kv.key.shape[-2:]
-            return self.cpu_kernels.decode_attention(
+            return self.kernels.decode(
                 q.contiguous(), self.kv.key.view(-1, block_size, head_dim),
                 self.kv.value.view(-1, block_size, head_dim), decode.blocks, decode.context_lens,
                 self.scale, getattr(self.position_bias, "slopes", None), self.sliding_window or 0)

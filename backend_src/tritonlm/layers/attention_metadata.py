@@ -18,12 +18,12 @@ class EncoderBatch:
 class DecodeRows:
     """Rows with a single query token (decodes). The PyTorch path gathers their K/V padded to
     the longest of them (rows of similar context lengths are grouped, not padded to the batch's
-    longest) and masks; the CPU kernel reads the blocks in place up to each row's context."""
+    longest) and masks; a decode kernel reads the blocks in place up to each row's context."""
     token_index: torch.Tensor  # [Bd]
     blocks: torch.Tensor  # [Bd, Hkv, nb] rows of the [blocks * Hkv, bs, D] view
     mask: torch.Tensor | None = None  # [Bd, 1, nb * bs, 1], True where a key is visible
     distance: torch.Tensor | None = None  # [Bd, nb * bs] key minus query position
-    context_lens: torch.Tensor | None = None  # [Bd] keys per row, for the CPU kernel
+    context_lens: torch.Tensor | None = None  # [Bd] keys per row, for a decode kernel
 
 
 @dataclass
@@ -95,9 +95,10 @@ class AttentionSpec:
 
 def build_metadata(layout: StepLayout, spec: AttentionSpec, use_flash: bool,
                    to_tensor: Callable[[np.ndarray], torch.Tensor],
-                   cpu_kernel: bool = False) -> AttentionMetadata:
-    """`cpu_kernel`: decode rows, and causal rows of several queries, are for the CPU kernels
-    (layers/cpu_kernels.py)."""
+                   decode_kernel: bool = False, prefill_kernel: bool = False) -> AttentionMetadata:
+    """`decode_kernel`: decode rows are for a paged decode kernel (blocks and context lengths);
+    `prefill_kernel`: so are causal rows of several queries, for the CPU prefill kernel
+    (layers/attention.py's PagedKernels)."""
     seq_lens = to_tensor(np.repeat(layout.context, layout.lens))
     if use_flash:
         meta = _flash_metadata(layout, spec, to_tensor)
@@ -111,11 +112,11 @@ def build_metadata(layout: StepLayout, spec: AttentionSpec, use_flash: bool,
     context = layout.context
     decode = layout.lens == 1
     decode_rows = np.flatnonzero(decode)
-    if cpu_kernel and len(decode_rows):
+    if decode_kernel and len(decode_rows):
         meta.decode.append(DecodeRows(to_tensor(layout.first[decode_rows]),
                                       to_tensor(_context_blocks(layout, decode_rows, heads)[0]),
                                       context_lens=to_tensor(context[decode_rows])))
-    for rows in [] if cpu_kernel else _length_groups(decode_rows, context):
+    for rows in [] if decode_kernel else _length_groups(decode_rows, context):
         blocks, keys = _context_blocks(layout, rows, heads)
         query_pos = layout.starts[rows][:, None]  # [Bd, 1]
         distance = keys[None, :] - query_pos
@@ -124,7 +125,7 @@ def build_metadata(layout: StepLayout, spec: AttentionSpec, use_flash: bool,
             to_tensor(layout.first[rows]), to_tensor(blocks), to_tensor(visible[:, None, :, None]),
             to_tensor(distance) if spec.needs_distances else None))
     prefill = ~decode
-    if prefill.any() and cpu_kernel and spec.causal:
+    if prefill.any() and prefill_kernel and spec.causal:
         rows = np.flatnonzero(prefill)
         meta.prefill_rows = PrefillRows(
             to_tensor(layout.first[rows]), to_tensor(layout.lens[rows]), to_tensor(context[rows]),

@@ -1,15 +1,27 @@
-"""The C++ paged decode-attention kernel (csrc/paged_decode_attention.cpp) computes what plain
-PyTorch computes on the gathered blocks: GQA / MHA / MQA, several head dims, shuffled blocks,
-ALiBi, sliding windows. (How PagedAttention routes a step's rows to it: test_cpu_kernels_prefill.)"""
+"""The paged decode-attention kernels, the C++ one (csrc/paged_decode_attention.cpp) and the
+OpenAI-Triton one for CUDA (layers/triton_paged_attention.py, run here by Triton's CPU
+interpreter), compute what plain PyTorch computes on the gathered blocks: GQA / MHA / MQA, several
+head dims and block sizes, shuffled blocks, ALiBi, sliding windows. (How PagedAttention routes a
+step's rows to them: test_cpu_kernels_prefill and test_triton_decode_routing.)"""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from tritonlm.layers import cpu_kernels
+from tritonlm.layers import cpu_kernels, triton_paged_attention
 
 
 @pytest.fixture(scope="module")
-def kernel():
+def cpu_kernel():
     return cpu_kernels.build()  # raises with the compiler's output if it cannot build
+
+
+@pytest.fixture(scope="module", params=["cpu", "triton"])
+def kernel(request):
+    if request.param == "cpu":
+        return request.getfixturevalue("cpu_kernel")
+    assert triton_paged_attention.available(torch.device("cpu"))  # TRITON_INTERPRET=1 (conftest)
+    return SimpleNamespace(decode_attention=triton_paged_attention.decode_attention)
 
 
 def make_case(num_seqs, hq, hkv, head_dim, context_lens, dtype=torch.float32, block_size=16,
@@ -151,7 +163,8 @@ def test_empty_context_gives_zeros(kernel):
     assert torch.equal(out[0], torch.zeros_like(out[0])) and out[1].isfinite().all()
 
 
-def test_two_threads_match_one(kernel):
+def test_two_threads_match_one(cpu_kernel):
+    kernel = cpu_kernel
     q, k, v, rows, ctx = make_case(8, 9, 3, 64, [1, 200, 37, 16, 90, 5, 128, 64],
                                    dtype=torch.bfloat16)
     threads = torch.get_num_threads()
@@ -165,7 +178,8 @@ def test_two_threads_match_one(kernel):
     assert torch.equal(one, two)
 
 
-def test_bad_inputs_raise_clear_errors(kernel):
+def test_bad_inputs_raise_clear_errors(cpu_kernel):
+    kernel = cpu_kernel
     q, k, v, rows, ctx = make_case(3, 4, 2, 64, [5, 16, 20])
     with pytest.raises(RuntimeError, match="block_rows must be int64, got Int"):
         kernel.decode_attention(q, k, v, rows.int(), ctx, 0.1)
@@ -192,3 +206,11 @@ def test_load_returns_none_when_turned_off(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     monkeypatch.setenv("TRITONLM_CPU_KERNELS", "0")
     assert cpu_kernels.load() is None
+
+
+def test_triton_kernel_rejects_shapes_that_do_not_fit():
+    q, k, v, rows, ctx = make_case(3, 4, 2, 64, [5, 16, 20])
+    with pytest.raises(ValueError, match="do not fit together"):
+        triton_paged_attention.decode_attention(q[:, :3], k, v, rows, ctx, 0.1, None, 0)
+    with pytest.raises(ValueError, match="do not fit together"):
+        triton_paged_attention.decode_attention(q, k[..., :32], v[..., :32], rows, ctx, 0.1, None, 0)
