@@ -26,6 +26,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
     device: str = "auto"
+    # CUDA: run decode steps eagerly instead of replaying CUDA graphs (engine/decode_graphs.py)
+    enforce_eager: bool = False
     # OTLP/HTTP traces endpoint (TRITONLM_OTLP_ENDPOINT overrides it); None: no tracing
     otlp_endpoint: str | None = None
 

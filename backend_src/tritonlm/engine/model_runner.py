@@ -7,6 +7,7 @@ import torch
 from tritonlm.config import WEIGHTS_DIR, EngineConfig
 from tritonlm.distributed import parallel_state
 from tritonlm.distributed.ranks import RankGroup, join_process_group
+from tritonlm.engine.decode_graphs import DecodeGraphs
 from tritonlm.engine.kv_cache_sizing import cuda_kv_cache_budget, profile_steps
 from tritonlm.engine.step_inputs import StepInputBuilder
 from tritonlm.engine.step_plan import SampledToken, StepPlan
@@ -64,8 +65,25 @@ class ModelRunner:
             layer.kernels = kernels
         self.token_counts = TokenCounts(hf_config.vocab_size, self.device)
         self.encoder_decoder = bool(getattr(hf_config, "is_encoder_decoder", False))
+        self.decode_graphs = None
         self.num_blocks = self._size_kv_cache()
-        self._allocate_kv_cache(self.num_blocks)
+        if self._decode_graphs_usable():
+            self._allocate_kv_cache(self.num_blocks + 1)  # the last: the padding rows' scratch
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.attention_layers[0].num_kv_heads, self.block_size,
+                config.max_model_len, config.max_num_seqs, self.num_blocks,
+                [spec.sliding_window for spec in self.inputs.window_specs], self.device)
+            if self.device.type == "cuda":
+                self.decode_graphs.capture()
+        else:
+            self._allocate_kv_cache(self.num_blocks)
+
+    def _decode_graphs_usable(self) -> bool:
+        """CUDA graphs need the fixed shapes of the paged decode kernel (not flash-attn's varlen
+        metadata), one rank (no collectives inside a graph) and a decoder-only model."""
+        return (self.device.type == "cuda" and not self.config.enforce_eager
+                and self.attention_layers[0].kernels.decode is not None
+                and parallel_state.current().world_size == 1 and not self.encoder_decoder)
 
     def _paged_kernels(self) -> PagedKernels:
         """The kernels that read the paged cache in place, where they can run every layer: they
@@ -138,16 +156,18 @@ class ModelRunner:
         steps, num_blocks = profile_steps(config.max_num_batched_tokens, config.max_model_len,
                                           config.max_num_seqs, self.block_size,
                                           self.encoder_decoder)
-        previous = getattr(self, "kv_cache", None)
+        previous, graphs = getattr(self, "kv_cache", None), self.decode_graphs
+        self.decode_graphs = None  # they read the cache in use, not this one
         self._allocate_kv_cache(num_blocks)
         try:
             for plan in steps:
-                hidden, inputs = self._forward(plan)
+                hidden, sample_index = self._forward(plan)
                 if self.is_driver:
-                    self._sample(plan, hidden, inputs.sample_index)
+                    self._sample(plan, hidden, sample_index)
         finally:
             self.token_counts.release([c.seq_id for plan in steps for c in plan.chunks])
             self._use_kv_cache(previous)
+            self.decode_graphs = graphs
         return num_blocks
 
     def _profile_cuda_budget(self) -> int:
@@ -166,14 +186,14 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> dict[int, SampledToken]:
         """Run one step; returns seq_id -> sampled token for the chunks that sample."""
         if self.ranks is None:
-            hidden, inputs = self._forward(plan)
+            hidden, sample_index = self._forward(plan)
         else:
             self.ranks.broadcast_plan(plan)
             try:
-                hidden, inputs = self._forward(plan)
+                hidden, sample_index = self._forward(plan)
             except Exception as exc:  # the ranks' collectives are out of step: nothing can go on
                 raise self.ranks.failure("a tensor-parallel step failed", exc) from exc
-        return self._sample(plan, hidden, inputs.sample_index) if self.is_driver else {}
+        return self._sample(plan, hidden, sample_index) if self.is_driver else {}
 
     def _forward(self, plan: StepPlan):
         if self.is_driver:
@@ -182,8 +202,12 @@ class ModelRunner:
         if plan.block_copies:  # copy on write of shared blocks, before this step writes them
             source, target = (torch.tensor(i, device=self.device) for i in zip(*plan.block_copies))
             self.kv_cache.copy_blocks(source, target)
+        if self.decode_graphs is not None and self.decode_graphs.covers(plan.chunks):
+            sampling = [i for i, c in enumerate(plan.chunks) if c.sampling is not None]
+            return (self.decode_graphs.run(plan.chunks),
+                    torch.tensor(sampling, dtype=torch.int64, device=self.device))
         inputs = self.inputs.build(plan.chunks)
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta), inputs
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta), inputs.sample_index
 
     def _sample(self, plan: StepPlan, hidden: torch.Tensor,
                 sample_index: torch.Tensor) -> dict[int, SampledToken]:

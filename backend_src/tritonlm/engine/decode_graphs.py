@@ -1,0 +1,108 @@
+"""CUDA graphs for decode steps, captured per batch-size bucket as vLLM captures them: a step of
+only decodes replays the graph of the smallest bucket that holds it, so its hundreds of kernel
+launches cost one. The graphs read persistent buffers, which each step fills from numpy: token
+ids, positions, the cache rows the new K/V go to, the block rows of every sequence (padded to
+max_model_len) and the context lengths the paged decode kernel reads. Rows past the step's are
+padding: they write to and attend over a scratch block no sequence owns.
+
+Off CUDA nothing is captured and a step runs the same buffers eagerly (how the tests check the
+buffers and the padding, with the Triton decode kernel under Triton's CPU interpreter).
+"""
+import numpy as np
+import torch
+
+from tritonlm.engine.step_plan import ScheduledChunk
+from tritonlm.layers.attention_metadata import AttentionMetadata, DecodeRows, write_locations
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """The batch sizes captured: 1, 2, 4, then multiples of 8 (vLLM's), up to max_num_seqs."""
+    sizes = {b for b in (1, 2, 4) if b < max_num_seqs} | set(range(8, max_num_seqs, 8))
+    return sorted(sizes | {max_num_seqs})
+
+
+class DecodeGraphs:
+    def __init__(self, model, num_kv_heads: int, block_size: int, max_model_len: int,
+                 max_num_seqs: int, scratch_block: int, windows: list[int | None],
+                 device: torch.device):
+        self.model = model
+        self.num_kv_heads = num_kv_heads
+        self.block_size = block_size
+        self.max_blocks = -(-max_model_len // block_size)
+        self.scratch_block = scratch_block
+        self.windows = windows  # the other layers' sliding windows: they share the metadata
+        self.buckets = batch_buckets(max_num_seqs)
+        rows = self.buckets[-1]
+
+        def buffer(*shape, fill=0):
+            return torch.full(shape, fill, dtype=torch.int64, device=device)
+        self.input_ids = buffer(rows)
+        self.positions = buffer(rows)
+        self.write_rows = buffer(rows * num_kv_heads)
+        self.blocks = buffer(rows, num_kv_heads, self.max_blocks)
+        self.context_lens = buffer(rows, fill=1)
+        self.token_index = torch.arange(rows, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def covers(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether a step is one these graphs run: decodes only, no more than the largest bucket,
+        contexts within max_model_len."""
+        return (0 < len(chunks) <= self.buckets[-1]
+                and all(len(c.token_ids) == 1 and c.encoder_token_ids is None
+                        and len(c.block_table) <= self.max_blocks for c in chunks))
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first, in one memory pool; each runs eagerly once first
+        (lazy initialisation, kernel compilation). All rows are padding: only the scratch block
+        is written."""
+        self._fill([], self.buckets[-1])
+        pool = None
+        for bucket in reversed(self.buckets):
+            self._forward(bucket)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bucket] = self._forward(bucket)
+            pool = graph.pool()
+            self.graphs[bucket] = graph
+
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """The hidden states [len(chunks), hidden] of a step `covers` accepts."""
+        bucket = next(b for b in self.buckets if b >= len(chunks))
+        self._fill(chunks, bucket)
+        if bucket in self.graphs:
+            self.graphs[bucket].replay()
+            return self.outputs[bucket][:len(chunks)]
+        return self._forward(bucket)[:len(chunks)]
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            write_rows=self.write_rows[:bucket * self.num_kv_heads],
+            seq_lens=self.context_lens[:bucket],
+            decode=[DecodeRows(self.token_index[:bucket], self.blocks[:bucket],
+                               context_lens=self.context_lens[:bucket])])
+        meta.by_window = dict.fromkeys(self.windows, meta)
+        return self.model(self.input_ids[:bucket], self.positions[:bucket], meta)
+
+    def _fill(self, chunks: list[ScheduledChunk], bucket: int) -> None:
+        """The step's rows, then padding up to the bucket, into the buffers."""
+        count = len(chunks)
+        positions = np.zeros(bucket, dtype=np.int64)
+        positions[:count] = [c.start_pos for c in chunks]
+        token_ids = np.zeros(bucket, dtype=np.int64)
+        token_ids[:count] = [c.token_ids[0] for c in chunks]
+        tables = np.full((bucket, self.max_blocks), self.scratch_block, dtype=np.int64)
+        lens = np.array([len(c.block_table) for c in chunks], dtype=np.int64)
+        filled = np.arange(self.max_blocks)[None, :] < lens[:, None]
+        tables[:count][filled] = np.fromiter(
+            (b for c in chunks for b in c.block_table), dtype=np.int64, count=int(lens.sum()))
+        heads = np.arange(self.num_kv_heads)
+        filling = (
+            (self.input_ids, token_ids), (self.positions, positions),
+            (self.context_lens, positions + 1),
+            (self.write_rows, write_locations(tables, np.ones(bucket, dtype=np.int64), positions,
+                                              self.block_size, self.num_kv_heads, False)),
+            (self.blocks, tables[:, None, :] * self.num_kv_heads + heads[None, :, None]))
+        for buffer, array in filling:
+            buffer[:len(array)].copy_(torch.from_numpy(array), non_blocking=True)
