@@ -2,7 +2,7 @@
 OpenAI-Triton one for CUDA (layers/triton_paged_attention.py, run here by Triton's CPU
 interpreter), compute what plain PyTorch computes on the gathered blocks: GQA / MHA / MQA, several
 head dims and block sizes, shuffled blocks, ALiBi, sliding windows. (How PagedAttention routes a
-step's rows to them: test_cpu_kernels_prefill and test_triton_decode_routing.)"""
+step's rows to them: test_cpu_kernels_prefill and test_cuda_decode_path.)"""
 from types import SimpleNamespace
 
 import pytest

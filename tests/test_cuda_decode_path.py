@@ -1,8 +1,10 @@
-"""Decode steps through the CUDA-graph buffers (engine/decode_graphs.py). No GPU here, so nothing
-is captured: the steps run the same persistent buffers eagerly, with the Triton decode kernel the
-runner picks on CUDA under Triton's CPU interpreter. Greedy tokens must equal transformers' for
-every batch size (padded up to a bucket), and padding rows must not touch any sequence's blocks
-(prefix-cached blocks are reused by the batched run after the single ones)."""
+"""The decode path the model runner takes on CUDA without flash-attn, run here on CPU: the Triton
+paged decode kernel (under Triton's CPU interpreter) for decodes, SDPA for prompts, and decode
+steps through the CUDA-graph buffers (engine/decode_graphs.py), which off CUDA run eagerly (no GPU
+here, so nothing is captured). Greedy tokens must equal transformers' for grouped-query,
+sliding-window and ALiBi models at every batch size (padded up to a bucket), and padding rows must
+not touch any sequence's blocks (the batched run reuses the prefix-cached blocks of the single
+ones)."""
 import pytest
 import torch
 from transformers import (BloomConfig, BloomForCausalLM, LlamaConfig, LlamaForCausalLM,
@@ -20,6 +22,7 @@ LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15)
 MODELS = {
     "llama-gqa": (LlamaForCausalLM, LlamaConfig, LLAMA),
+    "llama-multi-query": (LlamaForCausalLM, LlamaConfig, {**LLAMA, "num_key_value_heads": 1}),
     "mistral-sliding-window-7": (MistralForCausalLM, MistralConfig, {**LLAMA, "sliding_window": 7}),
     "bloom-alibi": (BloomForCausalLM, BloomConfig,
                     dict(hidden_size=64, n_layer=2, n_head=4, initializer_range=0.15)),
@@ -33,12 +36,30 @@ def test_buckets_are_vllms(max_num_seqs, expected):
     assert batch_buckets(max_num_seqs) == expected
 
 
-@pytest.fixture
-def graphed(monkeypatch):
-    """The runner as on CUDA without flash-attn: the Triton decode kernel, decode graphs; counts
-    the decode steps the graphs run, by batch size."""
+def use_cuda_kernels(monkeypatch):
     monkeypatch.setattr(ModelRunner, "_paged_kernels",
                         lambda runner: PagedKernels(decode=triton_paged_attention.decode_attention))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_triton_decode_kernel_gives_transformers_tokens(tmp_path, smollm2_tokenizer, monkeypatch,
+                                                        model):
+    use_cuda_kernels(monkeypatch)  # enforce_eager: no graphs
+    model_class, config_class, settings = MODELS[model]
+    config = config_class(**settings, vocab_size=len(smollm2_tokenizer))
+    llm, _, _ = assert_matches_transformers(tmp_path, model_class, config, smollm2_tokenizer,
+                                            new_tokens=12)
+    runner = llm.engine.runner
+    assert runner.decode_graphs is None and runner.inputs.kernels["decode_kernel"]
+    assert all(layer.kernels.decode is triton_paged_attention.decode_attention
+               for layer in runner.attention_layers)
+
+
+@pytest.fixture
+def graphed(monkeypatch):
+    """The runner as on CUDA without flash-attn, with decode graphs; counts the decode steps the
+    graphs run, by batch size."""
+    use_cuda_kernels(monkeypatch)
     monkeypatch.setattr(ModelRunner, "_decode_graphs_usable", lambda runner: True)
     batches = []
     run = DecodeGraphs.run
