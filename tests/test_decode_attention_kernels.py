@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tritonlm.layers import cpu_kernels, triton_paged_attention
+from tritonlm.layers import cpu_kernels, triton_paged_attention, triton_support
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def cpu_kernel():
 def kernel(request):
     if request.param == "cpu":
         return request.getfixturevalue("cpu_kernel")
-    assert triton_paged_attention.available(torch.device("cpu"))  # TRITON_INTERPRET=1 (conftest)
+    assert triton_support.available(torch.device("cpu"))  # TRITON_INTERPRET=1 (conftest)
     return SimpleNamespace(decode_attention=triton_paged_attention.decode_attention)
 
 

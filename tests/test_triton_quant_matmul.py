@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tritonlm.layers import triton_quant_matmul as tqm
+from tritonlm.layers import triton_support
 from tritonlm.layers.quantization import dequantize, pack_int4
 
 # (bits, out features, in features, group size, act-order, asymmetric)
@@ -59,7 +60,7 @@ def reference(x, qweight, scales, biases, g_idx):
 def test_matches_dequantize_then_linear(case, m, dtype):
     qweight, scales, biases, g_idx = make_quantized(*CASES[case])
     x = torch.randn(m, g_idx.shape[0], generator=torch.Generator().manual_seed(1)).to(dtype)
-    assert tqm.available(x.device)
+    assert triton_support.available(x.device)
     out = tqm.quantized_matmul(x, qweight, scales, biases, g_idx)
     expected = reference(x, qweight, scales, biases, g_idx)
     assert out.dtype == dtype and out.shape == expected.shape
@@ -91,11 +92,11 @@ def test_wrong_shapes_raise_value_error():
 
 
 def test_unavailable_without_triton(monkeypatch):
-    tqm._triton.cache_clear()
+    triton_support.triton_modules.cache_clear()
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
     try:
-        assert not tqm.available(torch.device("cpu"))
+        assert not triton_support.available(torch.device("cpu"))
         with pytest.raises(RuntimeError, match="cannot run"):
             tqm.quantized_matmul(torch.randn(1, 256), *make_quantized(*CASES["4bit-g32"]))
     finally:
-        tqm._triton.cache_clear()
+        triton_support.triton_modules.cache_clear()

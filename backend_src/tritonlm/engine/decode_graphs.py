@@ -11,6 +11,7 @@ buffers and the padding, with the Triton decode kernel under Triton's CPU interp
 import numpy as np
 import torch
 
+from tritonlm.engine.step_inputs import pad_tables
 from tritonlm.engine.step_plan import ScheduledChunk
 from tritonlm.layers.attention_metadata import AttentionMetadata, DecodeRows, write_locations
 
@@ -92,11 +93,8 @@ class DecodeGraphs:
         positions[:count] = [c.start_pos for c in chunks]
         token_ids = np.zeros(bucket, dtype=np.int64)
         token_ids[:count] = [c.token_ids[0] for c in chunks]
-        tables = np.full((bucket, self.max_blocks), self.scratch_block, dtype=np.int64)
-        lens = np.array([len(c.block_table) for c in chunks], dtype=np.int64)
-        filled = np.arange(self.max_blocks)[None, :] < lens[:, None]
-        tables[:count][filled] = np.fromiter(
-            (b for c in chunks for b in c.block_table), dtype=np.int64, count=int(lens.sum()))
+        tables = pad_tables([c.block_table for c in chunks] + [[]] * (bucket - count),
+                            self.max_blocks, self.scratch_block)
         heads = np.arange(self.num_kv_heads)
         filling = (
             (self.input_ids, token_ids), (self.positions, positions),

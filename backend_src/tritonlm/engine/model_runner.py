@@ -11,7 +11,7 @@ from tritonlm.engine.decode_graphs import DecodeGraphs
 from tritonlm.engine.kv_cache_sizing import cuda_kv_cache_budget, profile_steps
 from tritonlm.engine.step_inputs import StepInputBuilder
 from tritonlm.engine.step_plan import SampledToken, StepPlan
-from tritonlm.layers import cpu_kernels, triton_paged_attention
+from tritonlm.layers import cpu_kernels, triton_paged_attention, triton_support
 from tritonlm.layers.attention import (PagedAttention, PagedKernels, cache_block_shape,
                                        flash_attention_usable)
 from tritonlm.layers.attention_metadata import AttentionSpec
@@ -93,7 +93,7 @@ class ModelRunner:
                 or not all(layer.position_bias is None or hasattr(layer.position_bias, "slopes")
                            for layer in self.attention_layers)):
             return PagedKernels()
-        if self.device.type == "cuda" and triton_paged_attention.available(self.device):
+        if self.device.type == "cuda" and triton_support.available(self.device):
             return PagedKernels(decode=triton_paged_attention.decode_attention)
         module = cpu_kernels.load() if self.device.type == "cpu" else None
         if module is None:

@@ -42,7 +42,7 @@ class StepInputBuilder:
         input_ids = _flat([c.token_ids for c in chunks])
         positions = np.repeat(starts - first, lens) + np.arange(int(ends[-1]))
         layout = StepLayout(lens, starts, first, positions,
-                            _tables([c.block_table for c in chunks]), self.block_size)
+                            pad_tables([c.block_table for c in chunks]), self.block_size)
         meta = build_metadata(layout, self.self_spec, self.use_flash, self._tensor,
                               **self.kernels)
         meta.by_window = {spec.sliding_window: build_metadata(layout, spec, self.use_flash,
@@ -57,7 +57,7 @@ class StepInputBuilder:
 
     def _add_encoder_inputs(self, chunks: list[ScheduledChunk], layout: StepLayout,
                             meta: AttentionMetadata) -> None:
-        cross_tables = _tables([c.cross_block_table for c in chunks])
+        cross_tables = pad_tables([c.cross_block_table for c in chunks])
         encoder_lens = np.array([c.encoder_len for c in chunks], dtype=np.int64)
         cross = StepLayout(layout.lens, np.zeros_like(layout.starts), layout.first,
                            layout.positions, cross_tables, self.block_size, kv_lens=encoder_lens)
@@ -82,9 +82,10 @@ def _flat(lists: list[list[int]]) -> np.ndarray:
                        count=sum(len(x) for x in lists))
 
 
-def _tables(tables: list[list[int]]) -> np.ndarray:
-    """Block tables as one zero-padded [B, max_blocks] array."""
+def pad_tables(tables: list[list[int]], width: int | None = None, fill: int = 0) -> np.ndarray:
+    """Block tables as one [B, width] array (width: the longest table's), padded with `fill`."""
     lens = np.array([len(t) for t in tables], dtype=np.int64)
-    out = np.zeros((len(tables), max(int(lens.max()), 1)), dtype=np.int64)
-    out[np.arange(out.shape[1])[None, :] < lens[:, None]] = _flat(tables)
+    width = width or max(int(lens.max()), 1)
+    out = np.full((len(tables), width), fill, dtype=np.int64)
+    out[np.arange(width)[None, :] < lens[:, None]] = _flat(tables)
     return out

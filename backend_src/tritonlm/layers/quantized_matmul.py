@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tritonlm.layers import triton_quant_matmul
+from tritonlm.layers import triton_quant_matmul, triton_support
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 INT4_ROW_MULTIPLE = 16  # its packed layout holds output rows in tiles of 16
@@ -40,7 +40,7 @@ def cpu_matmul(qweight: torch.Tensor, values: Callable[[], torch.Tensor], scales
 
 def cuda_matmul(qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
                 g_idx: torch.Tensor) -> Matmul | None:
-    if qweight.device.type != "cuda" or not triton_quant_matmul.available(qweight.device):
+    if qweight.device.type != "cuda" or not triton_support.available(qweight.device):
         return None
     return lambda x: triton_quant_matmul.quantized_matmul(x, qweight, scales, biases, g_idx)
 

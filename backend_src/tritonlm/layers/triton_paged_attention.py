@@ -10,14 +10,12 @@ import functools
 
 import torch
 
-from tritonlm.layers import triton_quant_matmul
-
-available = triton_quant_matmul.available
+from tritonlm.layers.triton_support import triton_modules
 
 
 @functools.cache
 def _kernel():
-    triton, tl = triton_quant_matmul._triton()
+    triton, tl = triton_modules()
 
     @triton.jit
     def kernel(q_ptr, k_ptr, v_ptr, blocks_ptr, lens_ptr, slopes_ptr, out_ptr, scale, window,

@@ -2,38 +2,20 @@
 `quantization.py`: each program dequantizes [BLOCK_K, BLOCK_N] tiles of the weight in registers
 and feeds them to `tl.dot`, so the float weight never exists in memory.
 
-Triton is optional: it is imported on first use, and `available` is False without it.
-Under TRITON_INTERPRET=1 the kernel also runs on CPU tensors (that is how the tests run it).
+Triton is optional (triton_support.py).
 """
 import functools
-import os
 
 import torch
+
+from tritonlm.layers.triton_support import available, interpreting, triton_modules
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @functools.cache
-def _triton():
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-    return triton, tl
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def available(device: torch.device) -> bool:
-    return _triton() is not None and (torch.device(device).type == "cuda" or _interpreting())
-
-
-@functools.cache
 def _kernel():
-    triton, tl = _triton()
+    triton, tl = triton_modules()
 
     @triton.jit
     def kernel(x_ptr, q_ptr, scales_ptr, biases_ptr, g_idx_ptr, out_ptr, M, N, K,
@@ -128,7 +110,7 @@ def quantized_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         # The interpreter keeps bfloat16 as uint16 bit patterns, which its tl.dot multiplies
         # as integers; it documents no bfloat16 arithmetic.
-        DOT_IN_FP32=x.dtype == torch.bfloat16 and _interpreting(),
+        DOT_IN_FP32=x.dtype == torch.bfloat16 and interpreting(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
     return out.view(*leading, n)
 
