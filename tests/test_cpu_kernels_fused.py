@@ -67,6 +67,24 @@ def test_rms_norm_matches_hf(kernels, cls, hf_cls, hidden, dtype):
     assert_matches(normed, theirs(residual + x), one_ulp=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sums_round_as_torch_at_ties_denormals_and_nan(kernels, dtype):
+    """The kernels' own float32 -> 16-bit rounding (the residual sums) against torch's cast on
+    the hard cases: exact halfway sums (to even), subnormal results, overflow, inf and NaN."""
+    info = torch.finfo(dtype)
+    halfway = [info.eps / 2 * k for k in (1, 3, 5, -1, -3)]  # 1 + these: midway between two
+    cases = [(1.0, h) for h in halfway] + [
+        (info.smallest_normal / 4, info.smallest_normal / 8), (info.max, info.max),
+        (float("inf"), float("-inf")), (float("nan"), 1.0), (-info.max, -info.max),
+        (info.tiny * 3, -info.tiny)]
+    residual = torch.tensor([[r for r, _ in cases] * 3], dtype=dtype)  # full and partial vectors
+    x = torch.tensor([[v for _, v in cases] * 3], dtype=dtype)
+    expected = residual + x
+    _, total = RMSNorm(x.shape[1], 1e-5).to(dtype)(x, residual.clone())
+    assert torch.equal(total.isnan(), expected.isnan())
+    assert torch.equal(total[~total.isnan()], expected[~expected.isnan()])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_without_kernel_is_the_same_function(kernels, no_kernels, dtype):
     torch.manual_seed(0)
