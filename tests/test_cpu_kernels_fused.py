@@ -72,7 +72,8 @@ def test_sums_round_as_torch_at_ties_denormals_and_nan(kernels, dtype):
     """The kernels' own float32 -> 16-bit rounding (the residual sums) against torch's cast on
     the hard cases: exact halfway sums (to even), subnormal results, overflow, inf and NaN."""
     info = torch.finfo(dtype)
-    halfway = [info.eps / 2 * k for k in (1, 3, 5, -1, -3)]  # 1 + these: midway between two
+    # 1 + these (k > 0): halfway between two neighbours, so ties to even; below 1 they are exact
+    halfway = [info.eps / 2 * k for k in (1, 3, 5, -1, -3)]
     cases = [(1.0, h) for h in halfway] + [
         (info.smallest_normal / 4, info.smallest_normal / 8), (info.max, info.max),
         (float("inf"), float("-inf")), (float("nan"), 1.0), (-info.max, -info.max),
