@@ -89,15 +89,13 @@ def _tail(path: Path, lines: int = 60) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-@contextlib.contextmanager
-def start_server(repo_path, timeout: float = 300.0, log_path=None, log_verbose: int = 0,
-                 extra_args=("--exit-timeout-secs=5",), stop_timeout: float = 30.0) -> Iterator[RunningServer]:
-    """Launch tritonlm-serve on free ports, wait until ready, yield a RunningServer, stop it on exit."""
+PORT_CLASH = "Address already in use"
+
+
+def _launch(repo_path, log_path: Path, log_verbose: int, extra_args, timeout: float,
+            stop_timeout: float) -> RunningServer:
+    """tritonlm-serve on free ports, waited for until ready; stopped again if it is not."""
     http, grpc, metrics = free_ports(3)
-    if log_path is None:
-        fd, log_path = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
-        os.close(fd)
-    log_path = Path(log_path)
     argv = [str(SERVE), "--model-repository", str(repo_path), "--http-port", str(http),
             "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--log-verbose", str(log_verbose),
             "--", *extra_args]
@@ -114,6 +112,31 @@ def start_server(repo_path, timeout: float = 300.0, log_path=None, log_verbose: 
                 raise ServerStartError(f"tritonlm-serve not ready after {timeout}s; log {log_path}:\n"
                                        f"{_tail(log_path)}")
             time.sleep(0.25)
+    except BaseException:
+        _stop(proc, stop_timeout)
+        raise
+    return server
+
+
+@contextlib.contextmanager
+def start_server(repo_path, timeout: float = 300.0, log_path=None, log_verbose: int = 0,
+                 extra_args=("--exit-timeout-secs=5",), stop_timeout: float = 30.0,
+                 attempts: int = 3) -> Iterator[RunningServer]:
+    """Launch tritonlm-serve on free ports, wait until ready, yield a RunningServer, stop it on exit.
+    A port picked free can be taken before tritonserver binds it (tensor-parallel ranks open
+    ephemeral ports while the model loads): the launch is then retried on other ports."""
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
+        os.close(fd)
+    log_path = Path(log_path)
+    for attempt in range(1, attempts + 1):
+        try:
+            server = _launch(repo_path, log_path, log_verbose, extra_args, timeout, stop_timeout)
+            break
+        except ServerStartError:
+            if attempt == attempts or PORT_CLASH not in log_path.read_text(errors="replace"):
+                raise
+    try:
         yield server
     finally:
-        _stop(proc, stop_timeout)
+        _stop(server.process, stop_timeout)
