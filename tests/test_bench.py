@@ -6,8 +6,10 @@ import math
 import matplotlib.image
 import pytest
 
-from tritonlm.bench.cli import main
+from tritonlm.bench.cli import build_parser, build_workload, main
 from tritonlm.bench.metrics import RequestRecord, Slo, summarize
+
+from conftest import SERVED_MAX_MODEL_LEN
 
 
 def test_latency_figures_follow_the_serving_benchmark_definitions():
@@ -75,6 +77,24 @@ def test_served_over_grpc_at_several_concurrencies(smollm2_server, smollm2_repo,
         assert run["itl_ms"]["p50"] > 0
     one, four = runs.values()
     assert one["concurrency"] == 1 and four["concurrency"] == 4
+
+
+def test_served_over_grpc_counts_failed_requests_apart_from_the_others(smollm2_server,
+                                                                       smollm2_repo, tmp_path):
+    # Prompts of max_model_len tokens or more fail, each alone; the others stream every token.
+    args = ["--num-requests", "8", "--workload", "random", "--input-range", "100,900",
+            "--output-range", "2,6", "--seed", "3"]
+    requests = build_workload(build_parser().parse_args(args), smollm2_repo)
+    ok = [r for r in requests if len(r.prompt_token_ids) < SERVED_MAX_MODEL_LEN]
+    assert 0 < len(ok) < len(requests)
+    out = tmp_path / "served.json"
+    main(["--model", str(smollm2_repo), "--mode", "serve", "--url", smollm2_server.grpc_url,
+          "--served-model", "llm", "--concurrency", "4", *args, "--json", str(out)])
+    (run,) = _runs(out).values()
+    assert (run["completed"], run["failed"]) == (len(ok), len(requests) - len(ok))
+    assert all("max_model_len" in error for error in run["errors"])
+    assert run["output_tokens"] == sum(
+        min(r.output_len, SERVED_MAX_MODEL_LEN - len(r.prompt_token_ids)) for r in ok)
 
 
 def test_served_over_http_sse_by_request_rate_reports_bad_requests(smollm2_server, smollm2_repo,
