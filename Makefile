@@ -30,10 +30,10 @@ setup-vllm:
 
 bench: setup
 	$(VENV)/bin/tritonlm-bench --mode offline serve --concurrency 32 --compare hf --roofline \
-		--json bench_results/fixed.json --plot bench_results/fixed.png
+		--rounds 3 --json bench_results/fixed.json --plot bench_results/fixed.png
 
 bench-vllm: setup setup-vllm
-	$(VENV)/bin/tritonlm-bench --compare hf vllm --json bench_results/vllm.json
+	$(VENV)/bin/tritonlm-bench --compare hf vllm --rounds 3 --json bench_results/vllm.json
 
 clean:
 	rm -rf $(VENV) .venv-vllm $(REPO)/$(MODEL)

@@ -10,6 +10,7 @@ from tritonlm.bench.cli import build_parser, build_workload, main
 from tritonlm.bench.metrics import RequestRecord, Slo, summarize
 
 from conftest import SERVED_MAX_MODEL_LEN
+from test_observability import delta, scrape
 
 
 def test_latency_figures_follow_the_serving_benchmark_definitions():
@@ -129,3 +130,29 @@ def test_offline_and_served_in_one_run_starts_its_own_server(smollm2_repo, tmp_p
     assert report["ratios"]["tritonlm served (grpc) concurrency=3"] == pytest.approx(
         runs["tritonlm offline"]["output_tokens_per_s"] / served["output_tokens_per_s"])
     assert (tmp_path / "both.server.log").read_text()  # the server's log is kept beside
+
+
+def test_rounds_alternate_systems_and_never_reuse_cached_prompts(smollm2_server, smollm2_repo,
+                                                                  tmp_path):
+    out = tmp_path / "rounds.json"
+    before = scrape(smollm2_server)
+    main(["--model", str(smollm2_repo), "--mode", "offline", "serve", "--url",
+          smollm2_server.grpc_url, "--served-model", "llm", "--concurrency", "1,2",
+          "--num-requests", "2", "--input-len", "64", "--output-len", "3", "--rounds", "3",
+          "--json", str(out)])
+    after = scrape(smollm2_server)
+    # 6 served runs of the same 64-token prompts (4 full blocks each) and none hit the cache.
+    assert delta(before, after, "prefix_cache_queries_total") > 0
+    assert delta(before, after, "prefix_cache_hits_total") == 0
+    report = json.loads(out.read_text())
+    runs = _runs(out)
+    ours = runs["tritonlm offline"]["rounds_output_tokens_per_s"]
+    for name, run in runs.items():
+        rounds = run["rounds_output_tokens_per_s"]
+        assert len(rounds) == 3 and run["output_tokens"] == 6
+        assert run["output_tokens_per_s"] == sorted(rounds)[1]  # the median round's figures
+        if name != "tritonlm offline":
+            paired = sorted(a / b for a, b in zip(ours, rounds))
+            assert report["ratio_rounds"][name] == pytest.approx([a / b for a, b in
+                                                                  zip(ours, rounds)])
+            assert report["ratios"][name] == pytest.approx(paired[1])

