@@ -1,6 +1,6 @@
-"""The fused CPU layer kernels (csrc/fused_ops.cpp) against Hugging Face's own modules and torch:
-RMSNorm (Llama's and Gemma's, with the residual add), activation-times-up, rotary embeddings and
-greedy argmax with logsumexp. In 16-bit dtypes the kernels round where HF's ops round, so they are
+"""The fused CPU layer kernels (csrc/fused_ops.cpp, csrc/kv_cache_write.cpp) against Hugging Face's
+own modules and torch: RMSNorm (Llama's and Gemma's, with the residual add), activation-times-up,
+rotary embeddings, greedy argmax with logsumexp, and the KV cache write (against index_copy_). In 16-bit dtypes the kernels round where HF's ops round, so they are
 compared bit for bit; in float32 only summation order differs."""
 import pytest
 import torch
@@ -11,6 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from tritonlm.layers import cpu_kernels
 from tritonlm.layers.activation import FUSED_CODES
+from tritonlm.layers.kv_cache import LayerKV
 from tritonlm.layers.mlp import GatedMLP
 from tritonlm.layers.norm import OffsetRMSNorm, RMSNorm
 from tritonlm.layers.rotary import apply_rotary
@@ -197,6 +198,25 @@ def test_results_do_not_depend_on_threads(kernels):
     for a, b in zip(*outputs):
         assert all(torch.equal(u, v) for u, v in zip(*(a, b) if isinstance(a, tuple)
                                                         else ((a,), (b,))))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cache_write_of_split_qkv_rows_equals_index_copy(kernels, dtype):
+    tokens, heads, head_dim, block_size = 37, 3, 64, 16
+    # k and v as the fused QKV projection's split leaves them: rows strided by the q+k+v width.
+    qkv = torch.randn(tokens, (9 + 2 * heads) * head_dim).to(dtype)
+    _, k, v = qkv.split([9 * head_dim, heads * head_dim, heads * head_dim], dim=-1)
+    k, v = k.view(tokens, heads, head_dim), v.view(tokens, heads, head_dim)
+    rows = torch.randperm(40 * heads * block_size)[:tokens * heads]
+    expected = [torch.randn(40, heads, block_size, head_dim).to(dtype) for _ in range(2)]
+    caches = [c.clone() for c in expected]
+    LayerKV(*caches).write(k, v, rows, head_dim)
+    for cache, new in zip(expected, (k, v)):
+        cache.view(-1, head_dim).index_copy_(0, rows, new.reshape(-1, head_dim))
+    assert all(torch.equal(a, b) for a, b in zip(caches, expected))
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.write_kv_(caches[0].view(-1, head_dim), caches[1].view(-1, head_dim), k, v,
+                          torch.full((tokens * heads,), 40 * heads * block_size))
 
 
 def test_bad_inputs_are_refused_clearly(kernels):

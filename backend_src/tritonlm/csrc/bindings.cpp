@@ -20,6 +20,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
 at::Tensor act_and_mul(const at::Tensor& x, int64_t activation);
 void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits);
+void write_kv_(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& k,
+               const at::Tensor& v, const at::Tensor& rows);
 }  // namespace tritonlm
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -54,4 +56,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_logsumexp", &argmax_logsumexp,
         "Per row of logits [S, V]: the first index of the maximum (int64) and logsumexp (float32)",
         py::arg("logits"), nogil);
+  m.def("write_kv_", &write_kv_,
+        "Copies k and v [N, Hkv, D] (features contiguous) to rows [N * Hkv] (token-major) of "
+        "the caches viewed as [R, D]",
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("k"), py::arg("v"),
+        py::arg("rows"), nogil);
 }

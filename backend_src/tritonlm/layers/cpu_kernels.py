@@ -1,6 +1,7 @@
 """tritonlm's C++ CPU kernels (csrc/): paged decode attention, which reads K/V blocks where they
-lie in the cache with a streaming softmax, and fused per-token ops (RMSNorm with its residual add,
-activation-times-up, rotary embeddings, greedy argmax with the log-normaliser).
+lie in the cache with a streaming softmax, fused per-token ops (RMSNorm with its residual add,
+activation-times-up, rotary embeddings, greedy argmax with the log-normaliser), and the write of
+a step's K/V rows into the cache.
 
 Built once with torch.utils.cpp_extension (needs ninja and a C++ compiler) into
 $TRITONLM_KERNEL_DIR (default ~/.cache/tritonlm/kernels/<torch version>), in a folder named by a
