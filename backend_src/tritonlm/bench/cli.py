@@ -12,7 +12,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from tritonlm.bench import metrics, report, workloads
-from tritonlm.bench import systems as systems_
+from tritonlm.bench import systems
 from tritonlm.config import DTYPES, WEIGHTS_DIR, EngineConfig
 from tritonlm.engine.llm_engine import resolve_model_dir
 
@@ -32,6 +32,13 @@ def default_model_dir(dtype: str) -> Path:
 def _int_pair(text: str) -> tuple[int, int]:
     low, high = (int(v) for v in text.split(","))
     return low, high
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--compare", nargs="*", choices=("hf", "vllm"), default=[])
     c.add_argument("--hf-requests", type=int, default=8,
                    help="requests HF runs one at a time (its tokens/s is measured on these)")
-    c.add_argument("--rounds", type=int, default=1,
+    c.add_argument("--rounds", type=_positive, default=1,
                    help="time every system this many times, alternating round by round; each "
                         "figure is the system's median round and each ratio the median of the "
                         "rounds' ratios (a shared machine's speed can drift 10-25%% within "
@@ -104,19 +111,19 @@ def build_workload(args, model_dir: Path) -> list[workloads.BenchRequest]:
                               n, max_len, seed)
 
 
-def run_rounds(systems: list[systems_.System], rounds: int) -> dict[str, list[dict]]:
+def run_rounds(contenders: list[systems.System], rounds: int) -> dict[str, list[dict]]:
     """Every system's timed runs, alternating: round after round, each system once."""
-    summaries = {system.name: [] for system in systems}
+    summaries = {system.name: [] for system in contenders}
     for _ in range(rounds):
-        for system in systems:
+        for system in contenders:
             summaries[system.name].append(system.run())
     return summaries
 
 
-def median_runs(systems: list[systems_.System], summaries: dict[str, list[dict]]) -> list[dict]:
+def median_runs(contenders: list[systems.System], summaries: dict[str, list[dict]]) -> list[dict]:
     """Each system's figures from its median round, with every round's output tokens/s beside."""
     runs = []
-    for system in systems:
+    for system in contenders:
         ordered = sorted(summaries[system.name], key=lambda s: s["output_tokens_per_s"])
         runs.append({**ordered[(len(ordered) - 1) // 2], **system.extra,
                      "rounds_output_tokens_per_s": [s["output_tokens_per_s"]
@@ -132,18 +139,18 @@ def main(argv=None) -> None:
     vocab = _vocab_size(model_dir)
     prefix = {}
     with ExitStack() as stack:
-        systems = []
-        for mode, open_systems in (("offline", systems_.offline), ("serve", systems_.served)):
+        contenders = []
+        for mode, open_systems in (("offline", systems.offline), ("serve", systems.served)):
             if mode in args.mode:
-                systems += stack.enter_context(open_systems(args, model_dir, requests, vocab))
-                if "prefix_cache" in systems[-1].extra:
-                    prefix[mode] = systems[-1].extra.pop("prefix_cache")
+                contenders += stack.enter_context(open_systems(args, model_dir, requests, vocab))
+                if "prefix_cache" in contenders[-1].extra:
+                    prefix[mode] = contenders[-1].extra.pop("prefix_cache")
         if "hf" in args.compare:
-            systems += stack.enter_context(systems_.hf(args, model_dir, requests, config.dtype))
+            contenders += stack.enter_context(systems.hf(args, model_dir, requests, config.dtype))
         if "vllm" in args.compare:
-            systems += stack.enter_context(systems_.vllm(model_dir, requests, config))
-        summaries = run_rounds(systems, args.rounds)
-    runs = median_runs(systems, summaries)  # after the systems stop: vLLM's settings come last
+            contenders += stack.enter_context(systems.vllm(model_dir, requests, config))
+        summaries = run_rounds(contenders, args.rounds)
+    runs = median_runs(contenders, summaries)  # after the systems stop: vLLM's settings come last
 
     lengths = sorted({(len(r.prompt_token_ids), r.output_len) for r in requests})
     title = (f"{len(requests)} requests, workload {args.workload} (in/out {lengths[0]}.."
