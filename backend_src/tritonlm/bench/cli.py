@@ -158,7 +158,7 @@ def main(argv=None) -> None:
     report.print_table(title, runs)
     ours = runs[0]["system"]
     ratio_rounds = report.ratios(runs, ours)
-    vs = {name: statistics.median(rounds) for name, rounds in ratio_rounds.items()}
+    vs = {name: statistics.median_low(rounds) for name, rounds in ratio_rounds.items()}
     for name, rounds in ratio_rounds.items():
         spread = (f" (median of {len(rounds)} rounds: {min(rounds):.2f}x..{max(rounds):.2f}x)"
                   if len(rounds) > 1 else "")

@@ -115,6 +115,7 @@ def served(args, model_dir: Path, requests: list[BenchRequest], vocab_size: int
         def load(batch, concurrency=None, rate=None, done=lambda: None):
             return asyncio.run(run_load(batch, url, model, args.protocol, concurrency, rate,
                                         args.seed, done))
+
         def fresh(batch: list[BenchRequest]) -> list[BenchRequest]:
             return workloads.renamed(batch, vocab_size, random.SystemRandom().random())
         load(fresh([BenchRequest(r.prompt_token_ids[:32], 4) for r in requests[:4]]))

@@ -12,7 +12,8 @@ Run the benchmark (under ``.venv-vllm/bin/python``)::
     python vllm_runner.py --model HF_DIR --requests REQUESTS.json --output RESULTS.json \
         [--dtype bfloat16|float32] [--max-model-len N] [--kv-cache-gib N] \
         [--max-num-seqs N] [--max-num-batched-tokens N] [--threads-bind SPEC] \
-        [--omp iomp|gomp] [--engine-process inproc|mp] [--ttft] [--save-token-ids] [--repeat N | --rounds-on-stdin]
+        [--omp iomp|gomp] [--engine-process inproc|mp] [--ttft] [--save-token-ids] \
+        [--repeat N | --rounds-on-stdin]
 
   REQUESTS.json: ``[{"prompt_token_ids": [...], "max_tokens": 128}, ...]``; every request is
   run greedy (temperature 0) with ``ignore_eos=True`` and its own ``max_tokens``, all in one
@@ -101,6 +102,7 @@ vllm_env = _sibling("vllm_env")
 # Line prefixes of --rounds-on-stdin on stdout (vLLM may log there too).
 READY, ROUND = "vllm_runner ready ", "vllm_runner round "
 
+
 def hf_dir_for_vllm(weights_dir: str, dest: str) -> str:
     """Fill ``dest`` with symlinks to every file of tritonlm's ``weights_dir`` (config.json,
     tokenizer files, generation_config.json, ...), ``rank0.safetensors`` linked as
@@ -167,8 +169,8 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="time the full generate N times (prefix cache reset in between); "
                         "elapsed_s is the median, every run is in elapsed_runs_s")
     p.add_argument("--rounds-on-stdin", action="store_true",
-                   help="after warm-up print a READY line (version and settings as JSON), then time "
-                        "one generate per 'run' line read on stdin and print a ROUND line "
+                   help="after warm-up print a READY line (version and settings as JSON), then "
+                        "time one generate per 'run' line read on stdin and print a ROUND line "
                         "(elapsed_s, output_tokens) after each, until another line or EOF: so "
                         "that a caller can alternate vLLM's runs with another system's")
     p.add_argument("--engine-args", default=None, metavar="JSON",
@@ -273,15 +275,18 @@ def run(args: argparse.Namespace) -> dict:
         llm.reset_prefix_cache()
         return elapsed, outputs
 
-    runs = []
+    def output_tokens(outputs) -> list[int]:
+        return [sum(len(c.token_ids) for c in o.outputs) for o in outputs]
+
+    runs, outputs = [], []
     if args.rounds_on_stdin:
         print(READY + json.dumps({"vllm_version": getattr(vllm, "__version__", "unknown"),
                                   "settings": settings}), flush=True)
         while sys.stdin.readline().strip() == "run":
             elapsed, outputs = timed_run()
             runs.append(elapsed)
-            tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-            print(ROUND + json.dumps({"elapsed_s": elapsed, "output_tokens": tokens}), flush=True)
+            print(ROUND + json.dumps({"elapsed_s": elapsed,
+                                      "output_tokens": sum(output_tokens(outputs))}), flush=True)
     else:
         for _ in range(max(1, args.repeat)):
             elapsed, outputs = timed_run()
@@ -290,13 +295,13 @@ def run(args: argparse.Namespace) -> dict:
     result = {
         "elapsed_s": sorted(runs)[len(runs) // 2] if runs else None,
         "elapsed_runs_s": runs,
-        "output_tokens": [sum(len(c.token_ids) for c in o.outputs) for o in outputs] if runs else [],
+        "output_tokens": output_tokens(outputs),
         "vllm_version": getattr(vllm, "__version__", "unknown"),
         "settings": settings,
     }
-    if args.save_token_ids and runs:
+    if args.save_token_ids:
         result["output_token_ids"] = [[int(t) for t in o.outputs[0].token_ids] for o in outputs]
-    if args.ttft and runs:
+    if args.ttft and outputs:
         ttft = [getattr(o.metrics, "first_token_latency", None) if o.metrics is not None else None
                 for o in outputs]
         if ttft and all(isinstance(t, (int, float)) and t > 0 for t in ttft):
