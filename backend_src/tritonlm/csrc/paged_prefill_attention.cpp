@@ -7,6 +7,7 @@
 // query's 16 scores are D broadcast-FMAs, and each value row then updates the query's output with
 // D / W FMAs. Key chunks after a tile's last query are never visited.
 #include "cpu_vec.h"
+#include "prefill_tile_bf16.h"
 
 #include <cmath>
 #include <optional>
@@ -27,11 +28,6 @@ struct TileScratch {
   TileScratch(int64_t rows, int64_t D)
       : Dp((D + W - 1) / W * W), q(rows * Dp), acc(rows * Dp), max(rows), sum(rows),
         keys_t(Dp * W), values(W * Dp), probs(rows * W), pos(rows) {}
-};
-
-struct Rows {  // one task's view of the inputs
-  int64_t context, query_len, first_query;  // first_query: index within the row's queries
-  const int64_t* blocks;  // this (row, kv head)'s cache rows
 };
 
 // Scores of kGroup query rows against the chunk's W keys: kGroup independent FMA chains.
@@ -80,7 +76,7 @@ inline void accumulate(float* acc, const float* alpha, const float* probs, const
 
 template <typename T>
 void attend_tile(const T* q, int64_t q_token_stride, const T* key_cache, const T* value_cache,
-                 const Rows& r, int64_t n_queries, const float* slopes, int64_t window,
+                 const PrefillRows& r, int64_t n_queries, const float* slopes, int64_t window,
                  float scale, int64_t G, int64_t D, int64_t bs, T* out, TileScratch& s) {
   const int64_t Dp = s.Dp;
   const int64_t rows = n_queries * G;  // query row i * G + g
@@ -239,14 +235,31 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
         ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), tasks));
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-      TileScratch scratch((kTile * G + kGroup - 1) / kGroup * kGroup, D);
+      const int64_t tile_rows = (kTile * G + kGroup - 1) / kGroup * kGroup;
+      TileScratch scratch(tile_rows, D);
+#ifdef TRITONLM_PREFILL_BF16
+      constexpr bool bf16 = std::is_same_v<T_, c10::BFloat16>;
+      const bool use_bf16 = bf16 && D % 32 == 0;
+      PrefillScratchBf16 scratch_bf16(use_bf16 ? tile_rows : 0, D);
+#endif
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < tasks; ++task) {
         // Tiles in reverse: a row's last tiles, which see the most keys, are taken first.
         const int64_t tile = static_cast<int64_t>(task_row.size()) - 1 - task / Hkv;
         const int64_t h = task % Hkv, b = task_row[tile], first = task_query[tile];
-        const Rows r{ctx[b], lens[b], first, rows + (b * Hkv + h) * nb};
+        const PrefillRows r{ctx[b], lens[b], first, rows + (b * Hkv + h) * nb};
         const int64_t token = starts[b] + first, head = h * G;
+#ifdef TRITONLM_PREFILL_BF16
+        if constexpr (bf16) {
+          if (use_bf16) {
+            attend_tile_bf16(q_ptr + (token * Hq + head) * D, Hq * D, k_ptr, v_ptr, r,
+                             std::min<int64_t>(kTile, lens[b] - first),
+                             slopes ? slopes + head : nullptr, window, static_cast<float>(scale),
+                             G, D, bs, out_ptr + (token * Hq + head) * D, scratch_bf16);
+            continue;
+          }
+        }
+#endif
         attend_tile<T_>(q_ptr + (token * Hq + head) * D, Hq * D, k_ptr, v_ptr, r,
                         std::min<int64_t>(kTile, lens[b] - first), slopes ? slopes + head : nullptr,
                         window, static_cast<float>(scale), G, D, bs,
