@@ -33,11 +33,12 @@ def make_case(hq, hkv, head_dim, block_size, dtype=torch.float32, rows=ROWS, see
     return q, key_cache, value_cache, blocks, starts, lens, context
 
 
-def reference(q, key_cache, value_cache, blocks, starts, lens, context, scale, slopes=None,
-              window=0):
-    """Per row and kv head: gather, [G, Q, L] scores masked causally (and to the window), softmax,
-    matmul, in float32; tokens of no row stay zero."""
-    out = torch.zeros(q.shape)
+def per_row(q, key_cache, value_cache, blocks, starts, lens, context, slopes, window, attend,
+            dtype):
+    """Per row and kv head: attend(queries [Q, G, D], keys and values [L, D] gathered, visible
+    [Q, L] (causal, within the window), ALiBi bias [G, Q, L] or None) -> [Q, G, D]; tokens of no
+    row stay zero."""
+    out = torch.zeros(q.shape, dtype=dtype)
     hq, head_dim = q.shape[1:]
     hkv = blocks.shape[1]
     group = hq // hkv
@@ -49,15 +50,44 @@ def reference(q, key_cache, value_cache, blocks, starts, lens, context, scale, s
         if window:
             visible &= query_pos - key_pos < window
         for h in range(hkv):
-            keys, values = (cache[blocks[b, h]].reshape(-1, head_dim)[:length].float()
+            keys, values = (cache[blocks[b, h]].reshape(-1, head_dim)[:length]
                             for cache in (key_cache, value_cache))
             heads = slice(h * group, (h + 1) * group)
-            scores = torch.einsum("qgd,kd->gqk", q[first:first + n, heads].float(), keys) * scale
-            if slopes is not None:
-                scores += slopes[heads, None, None] * (key_pos - query_pos)[None]
-            probs = scores.masked_fill(~visible[None], float("-inf")).softmax(-1)
-            out[first:first + n, heads] = torch.einsum("gqk,kd->qgd", probs, values)
+            bias = (None if slopes is None
+                    else slopes[heads, None, None] * (key_pos - query_pos)[None])
+            out[first:first + n, heads] = attend(q[first:first + n, heads], keys, values,
+                                                 visible, bias)
     return out
+
+
+def reference(q, key_cache, value_cache, blocks, starts, lens, context, scale, slopes=None,
+              window=0):
+    """[G, Q, L] scores masked, softmax, matmul, in float32."""
+    def attend(q, keys, values, visible, bias):
+        scores = torch.einsum("qgd,kd->gqk", q.float(), keys.float()) * scale
+        if bias is not None:
+            scores += bias
+        probs = scores.masked_fill(~visible[None], float("-inf")).softmax(-1)
+        return torch.einsum("gqk,kd->qgd", probs, values.float())
+    return per_row(q, key_cache, value_cache, blocks, starts, lens, context, slopes, window,
+                   attend, torch.float32)
+
+
+def sdpa_bfloat16(q, key_cache, value_cache, blocks, starts, lens, context, scale, slopes=None,
+                  window=0):
+    """PyTorch's own bfloat16 attention (SDPA, kv heads repeated) as Hugging Face's models run it:
+    the rounding error a bf16 kernel may have."""
+    def attend(q, keys, values, visible, bias):
+        group = q.shape[1]
+        mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))[None]
+        if bias is not None:
+            mask = mask + bias
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys.expand(group, -1, -1)[None],
+            values.expand(group, -1, -1)[None], attn_mask=mask[None].bfloat16(), scale=scale)
+        return o[0].transpose(0, 1)
+    return per_row(q, key_cache, value_cache, blocks, starts, lens, context, slopes, window,
+                   attend, torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
@@ -94,34 +124,6 @@ def test_half_precision_within_rounding(kernel, dtype, variant):
     # float32 math on the rounded inputs: only the output's rounding differs
     torch.testing.assert_close(out.float(), reference(*case, 0.125, slopes, window),
                                atol=1e-2, rtol=1e-2)
-
-
-def sdpa_bfloat16(q, key_cache, value_cache, blocks, starts, lens, context, scale, slopes=None,
-                  window=0):
-    """PyTorch's own bfloat16 attention (SDPA) per row and kv head, as Hugging Face's models run
-    it, with the reference's mask and position bias: the rounding error a bf16 kernel may have."""
-    out = torch.zeros(q.shape, dtype=torch.bfloat16)
-    hq, head_dim = q.shape[1:]
-    group = hq // blocks.shape[1]
-    for b in range(len(starts)):
-        length, n, first = int(context[b]), int(lens[b]), int(starts[b])
-        query_pos = torch.arange(length - n, length)[:, None]
-        key_pos = torch.arange(length)[None, :]
-        visible = key_pos <= query_pos
-        if window:
-            visible &= query_pos - key_pos < window
-        for h in range(blocks.shape[1]):
-            keys, values = (cache[blocks[b, h]].reshape(-1, head_dim)[:length]
-                            for cache in (key_cache, value_cache))
-            heads = slice(h * group, (h + 1) * group)
-            mask = torch.zeros(group, n, length).masked_fill(~visible, float("-inf"))
-            if slopes is not None:
-                mask += slopes[heads, None, None] * (key_pos - query_pos)[None]
-            o = torch.nn.functional.scaled_dot_product_attention(  # kv heads repeated, as HF's
-                q[first:first + n, heads].transpose(0, 1)[None], keys.expand(group, -1, -1)[None],
-                values.expand(group, -1, -1)[None], attn_mask=mask[None].bfloat16(), scale=scale)
-            out[first:first + n, heads] = o[0].transpose(0, 1)
-    return out
 
 
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32), (96, 8), (80, 16)])
