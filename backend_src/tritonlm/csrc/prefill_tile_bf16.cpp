@@ -180,7 +180,8 @@ void attend_tile_bf16(const c10::BFloat16* q_, int64_t q_token_stride,
         }
         __m512 sc = _mm512_mul_ps(scores[k], _mm512_set1_ps(scale));
         if (slopes != nullptr) {
-          const __m512i distance = _mm512_sub_epi32(key_pos, _mm512_set1_epi32(static_cast<int>(pos)));
+          const __m512i distance =
+              _mm512_sub_epi32(key_pos, _mm512_set1_epi32(static_cast<int>(pos)));
           sc = _mm512_fmadd_ps(_mm512_set1_ps(slopes[row % G]), _mm512_cvtepi32_ps(distance), sc);
         }
         sc = _mm512_mask_blend_ps(visible, neg_inf, sc);
@@ -200,8 +201,11 @@ void attend_tile_bf16(const c10::BFloat16* q_, int64_t q_token_stride,
         float* acc = s.acc.data() + g0 * D;
         const int64_t pairs = (n + 1) / 2;
         switch (std::min<int64_t>(4, D / 16 - m0)) {  // D / 16 is even
-          case 4: accumulate_rows<4>(acc, D, alpha, s.probs.data(), s.values.data(), pairs, m0); break;
-          default: accumulate_rows<2>(acc, D, alpha, s.probs.data(), s.values.data(), pairs, m0);
+          case 4:
+            accumulate_rows<4>(acc, D, alpha, s.probs.data(), s.values.data(), pairs, m0);
+            break;
+          default:
+            accumulate_rows<2>(acc, D, alpha, s.probs.data(), s.values.data(), pairs, m0);
         }
       }
     }
@@ -210,7 +214,8 @@ void attend_tile_bf16(const c10::BFloat16* q_, int64_t q_token_stride,
     const float sum = _mm512_reduce_add_ps(_mm512_loadu_ps(s.sum.data() + row * 16));
     const Vec inv(sum > 0.f ? 1.f / sum : 0.f);
     auto* dst = out + (row / G) * q_token_stride + (row % G) * D;
-    for (int64_t d = 0; d < D; d += 16) store_float(dst + d, Vec::loadu(s.acc.data() + row * D + d) * inv);
+    for (int64_t d = 0; d < D; d += 16)
+      store_float(dst + d, Vec::loadu(s.acc.data() + row * D + d) * inv);
   }
 }
 
