@@ -29,6 +29,10 @@ namespace tritonlm {
 using Vec = at::vec::Vectorized<float>;
 constexpr int W = Vec::size();
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Lazy online softmax (the bf16 attention kernels): a running maximum moves only when a score
+// passes it by more than this, so most chunks need no horizontal max and no scalar exp;
+// unnormalised probabilities stay below e^kLazyMax.
+constexpr float kLazyMax = 8.f;
 
 #ifdef CPU_CAPABILITY_AVX512
 // bfloat16 in registers, exactly as torch's casts: widening is a shift; narrowing rounds to

@@ -137,8 +137,6 @@ struct Scratch {
 //   in order at the end.
 #define TRITONLM_AVX512_BF16 1
 
-constexpr float kLazyMax = 8.f;
-
 // Lane t of the result: the sum of v[t]'s 16 lanes (a lane never mixes with another vector's).
 inline __m512 reduce16(const __m512* v) {
   __m512 l1[8], l2[4], l3[2];

@@ -5,7 +5,8 @@
 // Work is split into (row, kv head, tile of up to 16 queries). A tile's G query heads x 16 queries
 // are scored against 16 keys at a time: the key chunk is transposed once into [D, 16] so each
 // query's 16 scores are D broadcast-FMAs, and each value row then updates the query's output with
-// D / W FMAs. Key chunks after a tile's last query are never visited.
+// D / W FMAs. Key chunks after a tile's last query are never visited. bfloat16 tiles take the
+// AVX512-BF16 path of prefill_tile_bf16.cpp where the CPU has it.
 #include "cpu_vec.h"
 #include "prefill_tile_bf16.h"
 
@@ -236,34 +237,34 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
       const int64_t tile_rows = (kTile * G + kGroup - 1) / kGroup * kGroup;
-      TileScratch scratch(tile_rows, D);
 #ifdef TRITONLM_PREFILL_BF16
-      constexpr bool bf16 = std::is_same_v<T_, c10::BFloat16>;
-      const bool use_bf16 = bf16 && D % 32 == 0;
+      const bool use_bf16 = std::is_same_v<T_, c10::BFloat16> && D % 32 == 0;
       PrefillScratchBf16 scratch_bf16(use_bf16 ? tile_rows : 0, D);
+#else
+      constexpr bool use_bf16 = false;
 #endif
+      TileScratch scratch(use_bf16 ? 0 : tile_rows, D);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < tasks; ++task) {
         // Tiles in reverse: a row's last tiles, which see the most keys, are taken first.
         const int64_t tile = static_cast<int64_t>(task_row.size()) - 1 - task / Hkv;
         const int64_t h = task % Hkv, b = task_row[tile], first = task_query[tile];
         const PrefillRows r{ctx[b], lens[b], first, rows + (b * Hkv + h) * nb};
-        const int64_t token = starts[b] + first, head = h * G;
+        const int64_t offset = ((starts[b] + first) * Hq + h * G) * D;  // the tile's first head
+        const int64_t n_queries = std::min<int64_t>(kTile, lens[b] - first);
+        const float* tile_slopes = slopes ? slopes + h * G : nullptr;
 #ifdef TRITONLM_PREFILL_BF16
-        if constexpr (bf16) {
+        if constexpr (std::is_same_v<T_, c10::BFloat16>) {
           if (use_bf16) {
-            attend_tile_bf16(q_ptr + (token * Hq + head) * D, Hq * D, k_ptr, v_ptr, r,
-                             std::min<int64_t>(kTile, lens[b] - first),
-                             slopes ? slopes + head : nullptr, window, static_cast<float>(scale),
-                             G, D, bs, out_ptr + (token * Hq + head) * D, scratch_bf16);
+            attend_tile_bf16(q_ptr + offset, Hq * D, k_ptr, v_ptr, r, n_queries, tile_slopes,
+                             window, static_cast<float>(scale), G, D, bs, out_ptr + offset,
+                             scratch_bf16);
             continue;
           }
         }
 #endif
-        attend_tile<T_>(q_ptr + (token * Hq + head) * D, Hq * D, k_ptr, v_ptr, r,
-                        std::min<int64_t>(kTile, lens[b] - first), slopes ? slopes + head : nullptr,
-                        window, static_cast<float>(scale), G, D, bs,
-                        out_ptr + (token * Hq + head) * D, scratch);
+        attend_tile<T_>(q_ptr + offset, Hq * D, k_ptr, v_ptr, r, n_queries, tile_slopes, window,
+                        static_cast<float>(scale), G, D, bs, out_ptr + offset, scratch);
       }
     }
   });

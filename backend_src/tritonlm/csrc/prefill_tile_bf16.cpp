@@ -6,6 +6,7 @@
 // - keys as [D / 2, 16] pairs of features, so a row's 16 scores are D / 2 dot products of a
 //   broadcast query pair with one vector (no horizontal sums);
 // - values as [8, D, 2] pairs of rows, so a probability pair and one vector update 16 features.
+// The softmax is the lazy one of cpu_vec.h (kLazyMax), its sums kept per lane.
 #include "prefill_tile_bf16.h"
 
 #ifdef TRITONLM_PREFILL_BF16
@@ -18,10 +19,6 @@ namespace tritonlm {
 namespace {
 
 constexpr int kRows = 4;  // query rows scored and accumulated together (register tiles)
-// A lazy online softmax: a row's running maximum moves (rescaling its sums and accumulators) only
-// when a score passes it by more than this, so most chunks need no horizontal maximum and no
-// scalar exp; probabilities stay below e^kLazyMax and their sums are kept per lane.
-constexpr float kLazyMax = 8.f;
 
 inline __m512bh broadcast_pair(const uint16_t* p) {
   uint32_t pair;
