@@ -27,14 +27,14 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     table (tied) and has no prepacked copy of its own, which reads it all."""
     packed_head = getattr(model, "packed_head", None)
     tied_head = model.input_embeddings() if model.tie_word_embeddings else None
-    tensors = [packed_head] if packed_head is not None else []
+    tensors = [packed_head.data] if packed_head is not None else []
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding) and (module is not tied_head
                                                        or packed_head is not None):
             continue
         tensors += [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if getattr(module, "packed", None) is not None:
-            tensors.append(module.packed)
+            tensors.append(module.packed.data)
     return sum(t.numel() * t.element_size() for t in tensors)
 
 

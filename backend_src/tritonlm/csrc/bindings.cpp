@@ -22,6 +22,9 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits);
 void write_kv_(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& k,
                const at::Tensor& v, const at::Tensor& rows);
+at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                       const std::optional<at::Tensor>& bias);
+bool has_bf16_matmul();
 }  // namespace tritonlm
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -61,4 +64,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the caches viewed as [R, D]",
         py::arg("key_cache"), py::arg("value_cache"), py::arg("k"), py::arg("v"),
         py::arg("rows"), nogil);
+  m.def("bf16_matmul", &bf16_matmul,
+        "x [M, K] bfloat16 @ a weight [N, K] packed as [ceil(N/32), ceil(K/2), 32, 2] (+ bias "
+        "[N] bfloat16) -> [M, N] bfloat16; needs AVX512-BF16 (has_bf16_matmul)",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none(),
+        nogil);
+  m.attr("has_bf16_matmul") = has_bf16_matmul();
 }

@@ -38,13 +38,12 @@ class CausalLM(nn.Module):
         return self.input_embeddings() if self.tie_word_embeddings else getattr(self, self.head_name)
 
     def prepack_for_cpu(self, batch_hint: int) -> None:
-        """A oneDNN-layout copy of the head weight (kept beside the embedding when tied)."""
-        weight = self.output_head().weight
-        if cpu_gemm.can_prepack(weight):
-            self.packed_head = cpu_gemm.prepack(weight, batch_hint)
+        """A copy of the head weight in a CPU matmul kernel's layout, when that is faster here
+        (kept beside the embedding when tied)."""
+        self.packed_head = cpu_gemm.prepack(self.output_head().weight, batch_hint)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         packed = getattr(self, "packed_head", None)
         if packed is not None:
-            return cpu_gemm.packed_linear(hidden, packed, None)
+            return packed.matmul(hidden, None)
         return F.linear(hidden, self.output_head().weight)

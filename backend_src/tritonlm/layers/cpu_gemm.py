@@ -1,24 +1,70 @@
-"""CPU matmuls on weights prepacked once into oneDNN's blocked layout: F.linear on a plain
-[out, in] weight reorders it on every call, which costs as much as the small-batch matmul itself."""
+"""CPU matmuls on bfloat16 weights packed once for the kernel that runs them (F.linear on a plain
+[out, in] weight reorders it on every call, which costs as much as a small-batch matmul):
+
+- tritonlm's AVX512-BF16 kernel (csrc/bf16_matmul.cpp) on CPUs with bf16 dot products and no AMX:
+  measured here 1.8-2x oneDNN at 1-4 rows, 1.2-1.3x at 32 (decode), equal at prompt sizes;
+- oneDNN's blocked layout elsewhere: AMX tiles, which an AVX512 kernel cannot match on prompts,
+  or bf16 emulated on plain AVX512.
+
+float32 keeps F.linear (MKL), which is as fast as either.
+"""
 import torch
+import torch.nn.functional as F
 
-_LOW_PRECISION = (torch.bfloat16,)
-
-
-def can_prepack(weight: torch.Tensor) -> bool:
-    """oneDNN prepacking pays off for bfloat16 on CPUs with native bf16 dot products (AVX512-BF16,
-    AMX); float32 keeps MKL's own path, which is as fast."""
-    return (weight.device.type == "cpu" and weight.dtype in _LOW_PRECISION
-            and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+from tritonlm.layers import cpu_kernels
 
 
-def prepack(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
-    """`weight` [out, in] in oneDNN's layout for inputs of about `batch_hint` rows (any row
-    count works)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+class DotProductWeight:
+    """A weight [N, K] as [ceil(N/32), ceil(K/2), 32, 2]: per block of 32 output features, pairs
+    of consecutive input features (zero padded), the layout vdpbf16ps multiplies."""
+    block = 32
+
+    def __init__(self, weight: torch.Tensor, kernels):
+        self.out_features, self.in_features = weight.shape
+        padded = F.pad(weight.detach(), (0, self.in_features % 2, 0, -self.out_features % self.block))
+        self.data = padded.view(-1, self.block, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
+        self.kernels = kernels
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        if bias is not None:
+            bias = bias.to(torch.bfloat16).contiguous()
+        out = self.kernels.bf16_matmul(rows, self.data, self.out_features, bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dense(self) -> torch.Tensor:
+        blocks, pairs = self.data.shape[:2]
+        return (self.data.transpose(1, 2).reshape(blocks * self.block, pairs * 2)
+                [:self.out_features, :self.in_features])
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
-                  ) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+class OneDnnWeight:
+    """A weight in oneDNN's blocked layout for inputs of about `batch_hint` rows (any row count
+    works)."""
+
+    def __init__(self, weight: torch.Tensor, batch_hint: int):
+        self.data = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+
+    def dense(self) -> torch.Tensor:
+        return self.data.to_dense()
+
+
+PackedWeight = DotProductWeight | OneDnnWeight
+
+
+def prepack(weight: torch.Tensor, batch_hint: int) -> PackedWeight | None:
+    """`weight` [out, in] packed for this CPU's fastest bfloat16 matmul, or None where F.linear
+    on the plain weight is as fast (float32, GPUs, CPUs without bf16 support in oneDNN)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return None
+    kernels = cpu_kernels.load()
+    if kernels is not None and kernels.has_bf16_matmul and "amx_bf16" not in cpu_kernels.cpu_flags():
+        return DotProductWeight(weight, kernels)
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return OneDnnWeight(weight, batch_hint)
+    return None

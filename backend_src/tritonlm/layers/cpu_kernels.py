@@ -36,7 +36,8 @@ _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
 
-def _cpu_features() -> str:
+def cpu_flags() -> str:
+    """The "flags" line of /proc/cpuinfo (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -49,7 +50,7 @@ def _build_dir() -> Path:
             or Path.home() / ".cache/tritonlm/kernels" / torch.__version__)
     key = hashlib.sha256(b"\0".join([
         *(path.read_bytes() for path in SOURCES + HEADERS), " ".join(CFLAGS + LDFLAGS).encode(),
-        torch.__version__.encode(), _cpu_features().encode()])).hexdigest()[:16]
+        torch.__version__.encode(), cpu_flags().encode()])).hexdigest()[:16]
     return Path(root) / f"tritonlm_cpu_kernels_{key}"
 
 

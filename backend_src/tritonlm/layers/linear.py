@@ -47,7 +47,7 @@ class _ShardedLinear(nn.Linear):
     loader may swap its weight for quantized storage (`use_quantized_weight`), the model runner
     for a CPU-prepacked one (`prepack_for_cpu`)."""
     shard_dim = 0
-    packed: torch.Tensor | None = None
+    packed: cpu_gemm.PackedWeight | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, index: np.ndarray):
         self.shard_index = index
@@ -64,23 +64,24 @@ class _ShardedLinear(nn.Linear):
             (self.shard_dim, self.shard_index) if parallel_state.current().world_size > 1 else None))
 
     def prepack_for_cpu(self, batch_hint: int) -> None:
-        """Hold the weight in oneDNN's layout only, when that is faster on this CPU."""
-        if getattr(self, QUANTIZED, None) is None and cpu_gemm.can_prepack(self.weight):
+        """Hold the weight only in a CPU matmul kernel's layout, when that is faster here."""
+        if getattr(self, QUANTIZED, None) is None:
             self.packed = cpu_gemm.prepack(self.weight, batch_hint)
-            self.weight = None
+            if self.packed is not None:
+                self.weight = None
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         quantized = getattr(self, QUANTIZED, None)
         if quantized is not None:
             return quantized(dtype)
-        return self.packed.to_dense() if self.packed is not None else self.weight
+        return self.packed.dense() if self.packed is not None else self.weight
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         quantized = getattr(self, QUANTIZED, None)
         if quantized is not None:
             return quantized.matmul(x, bias)
         if self.packed is not None:
-            return cpu_gemm.packed_linear(x, self.packed, bias)
+            return self.packed.matmul(x, bias)
         return F.linear(x, self.dense_weight(x.dtype), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

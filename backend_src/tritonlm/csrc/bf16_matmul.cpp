@@ -1,0 +1,157 @@
+// bfloat16 matmul with AVX512-BF16 dot products (vdpbf16ps) on weights packed once
+// (tritonlm/layers/cpu_gemm.py): [ceil(N/32), ceil(K/2), 32, 2], i.e. per block of 32 output
+// features, K/2 feature pairs of 32 columns x 2 consecutive k, so each block streams from memory
+// in order. A tile of up to 12 rows x 32 columns keeps 24 float32 accumulators in registers and
+// reads every weight byte once per tile. Measured here (2 Zen 4 cores, 30 SmolLM2 layers, cold
+// weights): 1.8-2x oneDNN's bf16 matmul at 1-4 rows, 1.2-1.3x at 32, equal at 2048.
+#include "cpu_vec.h"
+
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+#define TRITONLM_BF16_MATMUL
+
+#include <array>
+#include <cstring>
+#include <utility>
+
+namespace tritonlm {
+namespace {
+
+constexpr int64_t kBlock = 32;        // output features per packed block
+constexpr int kMaxRows = 12;          // rows per tile: 24 accumulators + 2 weight registers
+constexpr int64_t kChunkRows = 192;   // rows per task: a chunk of x stays in L2 across a block
+constexpr int64_t kPrefetchPairs = 8; // weight pairs (128 bytes each) prefetched ahead
+
+inline __m512bh as_bf16(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+
+inline __mmask16 lanes_below(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF)
+                 : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+}
+
+struct Tile {
+  const uint16_t* x;     // first row, features contiguous
+  int64_t x_stride;
+  const uint16_t* w;     // the block's [K/2, 32, 2]
+  int64_t k;
+  const uint16_t* bias;  // the block's first bias value, or null
+  uint16_t* out;         // first row's first column of the block
+  int64_t out_stride;
+  int64_t cols;          // valid columns of the block (< 32 only in the last block)
+};
+
+template <int R>
+void matmul_tile(const Tile& t) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t pairs = t.k / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* w = t.w + p * 2 * kBlock;
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchPairs * 2 * kBlock), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchPairs * 2 * kBlock + kBlock),
+                 _MM_HINT_T0);
+    const __m512bh w0 = as_bf16(_mm512_loadu_si512(w));
+    const __m512bh w1 = as_bf16(_mm512_loadu_si512(w + kBlock));
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, t.x + r * t.x_stride + 2 * p, sizeof(pair));
+      const __m512bh x = as_bf16(_mm512_set1_epi32(pair));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, w1);
+    }
+  }
+  if (t.k & 1) {  // the last feature pairs with the packing's zero padding
+    const uint16_t* w = t.w + pairs * 2 * kBlock;
+    const __m512bh w0 = as_bf16(_mm512_loadu_si512(w));
+    const __m512bh w1 = as_bf16(_mm512_loadu_si512(w + kBlock));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh x = as_bf16(_mm512_set1_epi32(t.x[r * t.x_stride + t.k - 1]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, w1);
+    }
+  }
+  const __mmask16 low = lanes_below(t.cols), high = lanes_below(t.cols - 16);
+  Vec bias_low(0.f), bias_high(0.f);
+  if (t.bias) {
+    bias_low = widen_bf16(_mm256_maskz_loadu_epi16(low, t.bias));
+    bias_high = widen_bf16(_mm256_maskz_loadu_epi16(high, t.bias + 16));
+  }
+  for (int r = 0; r < R; ++r) {
+    uint16_t* out = t.out + r * t.out_stride;
+    _mm256_mask_storeu_epi16(out, low, narrow_bf16(Vec(acc[r][0]) + bias_low));
+    _mm256_mask_storeu_epi16(out + 16, high, narrow_bf16(Vec(acc[r][1]) + bias_high));
+  }
+}
+
+using TileFn = void (*)(const Tile&);
+template <int... R>
+constexpr std::array<TileFn, sizeof...(R)> tile_table(std::integer_sequence<int, R...>) {
+  return {&matmul_tile<R + 1>...};
+}
+constexpr auto kTiles = tile_table(std::make_integer_sequence<int, kMaxRows>{});
+
+}  // namespace
+
+at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "bf16_matmul: x must be [M, K] bfloat16 with contiguous features");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 &&
+                  packed.is_contiguous() && packed.size(1) == (k + 1) / 2 &&
+                  packed.size(2) == kBlock && packed.size(3) == 2 &&
+                  packed.size(0) == (out_features + kBlock - 1) / kBlock,
+              "bf16_matmul: packed weight ", packed.sizes(), " does not hold ", out_features,
+              " x ", k);
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
+                        bias->numel() == out_features),
+              "bf16_matmul: bias must be ", out_features, " contiguous bfloat16 values");
+  auto out = at::empty({m, out_features}, x.options());
+  if (m == 0) return out;
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const auto* bs = bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
+  auto* os = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t blocks = packed.size(0), block_elems = packed.size(1) * 2 * kBlock;
+  const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
+  // Tasks run block-major, so a thread's consecutive tasks reuse one block of weights.
+  at::parallel_for(0, blocks * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t block = task / chunks, chunk = task % chunks;
+      const int64_t row0 = chunk * kChunkRows, rows = std::min(kChunkRows, m - row0);
+      const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows;
+      const int64_t per_tile = (rows + tiles - 1) / tiles;  // balanced: 32 rows -> 11, 11, 10
+      const int64_t col0 = block * kBlock;
+      for (int64_t r = row0; r < row0 + rows; r += per_tile) {
+        const int64_t n = std::min(per_tile, row0 + rows - r);
+        kTiles[n - 1](Tile{xs + r * x.stride(0), x.stride(0), ws + block * block_elems, k,
+                           bs ? bs + col0 : nullptr, os + r * out_features + col0, out_features,
+                           std::min(kBlock, out_features - col0)});
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace tritonlm
+
+#else
+
+namespace tritonlm {
+at::Tensor bf16_matmul(const at::Tensor&, const at::Tensor&, int64_t,
+                       const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "bf16_matmul: built for a CPU without AVX512-BF16");
+}
+}  // namespace tritonlm
+
+#endif
+
+namespace tritonlm {
+bool has_bf16_matmul() {
+#ifdef TRITONLM_BF16_MATMUL
+  return true;
+#else
+  return false;
+#endif
+}
+}  // namespace tritonlm
