@@ -48,6 +48,32 @@ def test_dot_product_matmul_as_close_as_f_linear(rows, out_features, in_features
 
 
 @needs_bf16_dot
+@pytest.mark.parametrize("rows", [1, 13, 200])
+@pytest.mark.parametrize("intermediate", [1536, 40, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gated_packing_applies_act_and_mul_as_the_separate_kernel_does(rows, intermediate,
+                                                                        with_bias):
+    """[gate; up] packed in pairs of 16 features: the same matmul as the plain packing, and
+    act(gate) * up bit for bit what the separate act_and_mul kernel makes of that output."""
+    torch.manual_seed(intermediate + rows)
+    kernels = _dot_product_kernels()
+    weight = torch.randn(2 * intermediate, 72, dtype=torch.bfloat16) / 8
+    bias = torch.randn(2 * intermediate, dtype=torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, 72, dtype=torch.bfloat16)
+    plain = cpu_gemm.DotProductWeight(weight, kernels)
+    gated = cpu_gemm.DotProductWeight(weight, kernels, gated=True)
+    assert torch.equal(gated.dense(), weight)
+    assert torch.equal(gated.matmul(x, bias), plain.matmul(x, bias))
+    for code, act in ((0, F.silu), (1, lambda t: F.gelu(t, approximate="tanh"))):
+        fused = gated.matmul(x, bias, code)
+        assert torch.equal(fused, kernels.act_and_mul(plain.matmul(x, bias), code))
+        gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
+        torch.testing.assert_close(fused, act(gate) * up, rtol=2e-2, atol=2e-2)
+    with pytest.raises(RuntimeError, match="activation"):
+        plain.matmul(x, bias, 0)
+
+
+@needs_bf16_dot
 def test_dot_product_matmul_takes_leading_dims_and_refuses_a_foreign_weight():
     weight = torch.randn(64, 48, dtype=torch.bfloat16)
     packed = cpu_gemm.DotProductWeight(weight, _dot_product_kernels())
@@ -110,6 +136,6 @@ def test_bfloat16_engine_as_close_to_float32_with_prepacking_as_without(
     assert all(getattr(m, "packed", None) is not None
                for m in packed.engine.runner.model.modules() if isinstance(m, ColumnParallelLinear))
     agree, error = against_float32(packed)
-    monkeypatch.setattr(cpu_gemm, "prepack", lambda weight, batch_hint: None)
+    monkeypatch.setattr(cpu_gemm, "prepack", lambda weight, batch_hint, gated=False: None)
     plain_agree, plain_error = against_float32(LLM(repo, num_kv_blocks=256))
     assert agree >= plain_agree - 3 and error <= 1.25 * plain_error + 0.005

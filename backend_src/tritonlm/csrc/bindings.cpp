@@ -23,7 +23,7 @@ std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits);
 void write_kv_(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& k,
                const at::Tensor& v, const at::Tensor& rows);
 at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                       const std::optional<at::Tensor>& bias);
+                       bool gated, const std::optional<at::Tensor>& bias, int64_t activation);
 bool has_bf16_matmul();
 }  // namespace tritonlm
 
@@ -65,9 +65,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key_cache"), py::arg("value_cache"), py::arg("k"), py::arg("v"),
         py::arg("rows"), nogil);
   m.def("bf16_matmul", &bf16_matmul,
-        "x [M, K] bfloat16 @ a weight [N, K] packed as [ceil(N/32), ceil(K/2), 32, 2] (+ bias "
-        "[N] bfloat16) -> [M, N] bfloat16; needs AVX512-BF16 (has_bf16_matmul)",
-        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none(),
-        nogil);
+        "x [M, K] bfloat16 @ a weight [N, K] packed as [blocks, ceil(K/2), 32, 2] (gated: [gate; "
+        "up] packed in pairs of 16 features) + bias [N] bfloat16 -> [M, N] bfloat16, or with an "
+        "activation (0 silu, 1 gelu-tanh) on a gated weight act(gate) * up [M, N / 2]; needs "
+        "AVX512-BF16 (has_bf16_matmul)",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("gated") = false,
+        py::arg("bias") = py::none(), py::arg("activation") = -1, nogil);
   m.attr("has_bf16_matmul") = has_bf16_matmul();
 }

@@ -20,6 +20,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -114,6 +115,19 @@ inline Vec rounded(const Vec& v) {
       return _mm512_castsi512_ps(round_bf16_bits(v));
 #endif
     return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
+  }
+}
+
+// The activations fused with "* up" (act_and_mul, the gated bf16 matmul): 0 silu, 1 gelu with the
+// tanh approximation.
+template <int kAct>
+inline Vec activate(const Vec& x) {
+  if constexpr (kAct == 0) {
+    return x / (Vec(1.f) + x.neg().exp());
+  } else {
+    const Vec beta(static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5));
+    const Vec inner = beta * (x + Vec(0.044715f) * x * x * x);
+    return Vec(0.5f) * x * (Vec(1.f) + inner.tanh());
   }
 }
 

@@ -59,17 +59,6 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, T* residual,
   });
 }
 
-template <int kAct>
-inline Vec activate(const Vec& x) {
-  if constexpr (kAct == 0) {  // silu
-    return x / (Vec(1.f) + x.neg().exp());
-  } else {  // gelu, tanh approximation
-    const Vec beta(static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5));
-    const Vec inner = beta * (x + Vec(0.044715f) * x * x * x);
-    return Vec(0.5f) * x * (Vec(1.f) + inner.tanh());
-  }
-}
-
 template <typename T, int kAct>
 void act_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = x.size(0), I = out.size(1);

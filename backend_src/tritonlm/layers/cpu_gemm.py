@@ -15,34 +15,55 @@ from tritonlm.layers import cpu_kernels
 
 
 class DotProductWeight:
-    """A weight [N, K] as [ceil(N/32), ceil(K/2), 32, 2]: per block of 32 output features, pairs
-    of consecutive input features (zero padded), the layout vdpbf16ps multiplies."""
+    """A weight [N, K] as [blocks, ceil(K/2), 32, 2]: per block of 32 output features, pairs of
+    consecutive input features (zero padded), the layout vdpbf16ps multiplies. A block holds
+    features 32j.. and 32j+16.. (16 each); of a `gated` weight ([gate; up], I features each)
+    gate features 16j.. and up features I+16j.., so the kernel can apply act(gate) * up."""
     block = 32
 
-    def __init__(self, weight: torch.Tensor, kernels):
+    def __init__(self, weight: torch.Tensor, kernels, gated: bool = False):
         self.out_features, self.in_features = weight.shape
-        padded = F.pad(weight.detach(), (0, self.in_features % 2, 0, -self.out_features % self.block))
+        self.gated, self.kernels = gated, kernels
+        self.rows = _block_rows(self.out_features, gated)  # packed row -> weight row (N: zero)
+        padded = F.pad(weight.detach(), (0, self.in_features % 2, 0, 1))[self.rows]
         self.data = padded.view(-1, self.block, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
-        self.kernels = kernels
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
+               activation: int | None = None) -> torch.Tensor:
+        """x @ weight.T + bias; with an `activation` code (a gated weight): act(gate) * up."""
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         if bias is not None:
             bias = bias.to(torch.bfloat16).contiguous()
-        out = self.kernels.bf16_matmul(rows, self.data, self.out_features, bias)
-        return out.view(*x.shape[:-1], self.out_features)
+        out = self.kernels.bf16_matmul(rows, self.data, self.out_features, self.gated, bias,
+                                       -1 if activation is None else activation)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def dense(self) -> torch.Tensor:
         blocks, pairs = self.data.shape[:2]
-        return (self.data.transpose(1, 2).reshape(blocks * self.block, pairs * 2)
-                [:self.out_features, :self.in_features])
+        packed = self.data.transpose(1, 2).reshape(blocks * self.block, pairs * 2)
+        valid = self.rows < self.out_features
+        dense = packed.new_empty(self.out_features, self.in_features)
+        dense[self.rows[valid]] = packed[valid, :self.in_features]
+        return dense
+
+
+def _block_rows(out_features: int, gated: bool) -> torch.Tensor:
+    """For each packed row, the weight row it holds (out_features: padding)."""
+    half = out_features // 2 if gated else 16
+    starts = torch.arange(0, half if gated else out_features, 16 if gated else 32)
+    low = starts[:, None] + torch.arange(16)
+    limit = half if gated else out_features
+    rows = torch.cat([low.masked_fill(low >= limit, out_features),
+                      (low + half).masked_fill(low + half >= out_features, out_features)], dim=1)
+    return rows.flatten()
 
 
 class OneDnnWeight:
     """A weight in oneDNN's blocked layout for inputs of about `batch_hint` rows (any row count
     works)."""
+    gated = False  # its matmul applies no activation
 
     def __init__(self, weight: torch.Tensor, batch_hint: int):
         self.data = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
@@ -57,14 +78,15 @@ class OneDnnWeight:
 PackedWeight = DotProductWeight | OneDnnWeight
 
 
-def prepack(weight: torch.Tensor, batch_hint: int) -> PackedWeight | None:
+def prepack(weight: torch.Tensor, batch_hint: int, gated: bool = False) -> PackedWeight | None:
     """`weight` [out, in] packed for this CPU's fastest bfloat16 matmul, or None where F.linear
-    on the plain weight is as fast (float32, GPUs, CPUs without bf16 support in oneDNN)."""
+    on the plain weight is as fast (float32, GPUs, CPUs without bf16 support in oneDNN). `gated`:
+    the weight is [gate; up], and the packing may let `matmul` apply act(gate) * up itself."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
     kernels = cpu_kernels.load()
     if kernels is not None and kernels.has_bf16_matmul and "amx_bf16" not in cpu_kernels.cpu_flags():
-        return DotProductWeight(weight, kernels)
+        return DotProductWeight(weight, kernels, gated)
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return OneDnnWeight(weight, batch_hint)
     return None

@@ -48,6 +48,7 @@ class _ShardedLinear(nn.Linear):
     for a CPU-prepacked one (`prepack_for_cpu`)."""
     shard_dim = 0
     packed: cpu_gemm.PackedWeight | None = None
+    gated = False  # [gate; up] halves, which a packed weight may turn into act(gate) * up
 
     def __init__(self, in_features: int, out_features: int, bias: bool, index: np.ndarray):
         self.shard_index = index
@@ -66,7 +67,7 @@ class _ShardedLinear(nn.Linear):
     def prepack_for_cpu(self, batch_hint: int) -> None:
         """Hold the weight only in a CPU matmul kernel's layout, when that is faster here."""
         if getattr(self, QUANTIZED, None) is None:
-            self.packed = cpu_gemm.prepack(self.weight, batch_hint)
+            self.packed = cpu_gemm.prepack(self.weight, batch_hint, self.gated)
             if self.packed is not None:
                 self.weight = None
 
@@ -99,15 +100,24 @@ class _ShardedLinear(nn.Linear):
 
 class ColumnParallelLinear(_ShardedLinear):
     """Output features split evenly, or as the concatenation of evenly split `segments`
-    (fused gate/up projections)."""
+    (fused gate/up projections: `gated`, see `act_and_mul`)."""
 
-    def __init__(self, in_features: int, out_features: int | list[int], bias: bool):
+    def __init__(self, in_features: int, out_features: int | list[int], bias: bool,
+                 gated: bool = False):
         tp = parallel_state.current()
         segments = out_features if isinstance(out_features, list) else [out_features]
         offsets = np.cumsum([0] + segments[:-1])
         index = np.concatenate([offset + even_split(size, tp.rank, tp.world_size)
                                 for offset, size in zip(offsets, segments)])
         super().__init__(in_features, sum(segments), bias, index)
+        self.gated = gated
+
+    def act_and_mul(self, x: torch.Tensor, activation: int) -> torch.Tensor | None:
+        """act(gate) * up of a gated layer in the matmul itself (`activation` a fused code,
+        layers.activation.FUSED_CODES), or None where the weight's kernel cannot."""
+        if self.packed is None or not self.packed.gated:
+            return None
+        return self.packed.matmul(x, self.bias, activation)
 
 
 class QKVParallelLinear(_ShardedLinear):
@@ -132,11 +142,6 @@ class QKVParallelLinear(_ShardedLinear):
                      + [num_heads + num_kv_heads + g for g in kv_heads])
         index = (np.array(heads)[:, None] * head_dim + np.arange(head_dim)).reshape(-1)
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, index)
-
-    @property
-    def output_sizes(self) -> list[int]:
-        """Local [q, k, v] widths, for splitting the ungrouped layout."""
-        return [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
 
 
 class RowParallelLinear(_ShardedLinear):

@@ -14,12 +14,17 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
+        self.fused_code = FUSED_CODES.get(act)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias,
+                                                 gated=self.fused_code is not None)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
         self.act = activation(act)
-        self.fused_code = FUSED_CODES.get(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_code is not None:
+            hidden = self.gate_up_proj.act_and_mul(x, self.fused_code)
+            if hidden is not None:
+                return self.down_proj(hidden)
         gate_up = self.gate_up_proj(x)
         kernels = cpu_kernels.for_tensor(gate_up)
         if kernels is None or self.fused_code is None:

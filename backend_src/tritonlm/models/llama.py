@@ -30,10 +30,12 @@ class LlamaAttention(nn.Module):
                                    self.head_dim ** -0.5, sliding_window)
 
     def forward(self, rope: Rope, x, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), *rope)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), *rope)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        heads = self.num_heads + self.num_kv_heads
+        # q's heads then k's lie side by side: one rotation turns both
+        qk = apply_rotary(qkv[:, :heads * self.head_dim].view(-1, heads, self.head_dim), *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, heads * self.head_dim:].view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, meta).flatten(1))
 
 
