@@ -26,9 +26,18 @@ constexpr int64_t kPrefetchPairs = 8; // weight pairs (128 bytes each) prefetche
 
 inline __m512bh as_bf16(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
-inline __mmask16 lanes_below(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF)
-                 : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+// acc[r] += row r's feature pair (two bf16 in 32 bits: pair_of(r)) times the block's weight pair
+// at w, for the block's 32 features.
+template <int R, typename PairOf>
+inline void accumulate_pair(__m512 (&acc)[R][2], const uint16_t* w, PairOf pair_of) {
+  const __m512bh w0 = as_bf16(_mm512_loadu_si512(w));
+  const __m512bh w1 = as_bf16(_mm512_loadu_si512(w + kBlock));
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    const __m512bh x = as_bf16(_mm512_set1_epi32(pair_of(r)));
+    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, w0);
+    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, w1);
+  }
 }
 
 struct Tile {
@@ -57,28 +66,19 @@ void matmul_tile(const Tile& t) {
     _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchPairs * 2 * kBlock), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchPairs * 2 * kBlock + kBlock),
                  _MM_HINT_T0);
-    const __m512bh w0 = as_bf16(_mm512_loadu_si512(w));
-    const __m512bh w1 = as_bf16(_mm512_loadu_si512(w + kBlock));
-#pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) {
+    accumulate_pair<R>(acc, w, [&](int r) {
       int32_t pair;
       std::memcpy(&pair, t.x + r * t.x_stride + 2 * p, sizeof(pair));
-      const __m512bh x = as_bf16(_mm512_set1_epi32(pair));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, w1);
-    }
+      return pair;
+    });
   }
   if (t.k & 1) {  // the last feature pairs with the packing's zero padding
-    const uint16_t* w = t.w + pairs * 2 * kBlock;
-    const __m512bh w0 = as_bf16(_mm512_loadu_si512(w));
-    const __m512bh w1 = as_bf16(_mm512_loadu_si512(w + kBlock));
-    for (int r = 0; r < R; ++r) {
-      const __m512bh x = as_bf16(_mm512_set1_epi32(t.x[r * t.x_stride + t.k - 1]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, w1);
-    }
+    accumulate_pair<R>(acc, t.w + pairs * 2 * kBlock, [&](int r) {
+      return static_cast<int32_t>(t.x[r * t.x_stride + t.k - 1]);
+    });
   }
-  const __mmask16 low = lanes_below(t.cols_low), high = lanes_below(t.cols_high);
+  const __mmask16 low = first_lanes(std::clamp<int64_t>(t.cols_low, 0, 16));
+  const __mmask16 high = first_lanes(std::clamp<int64_t>(t.cols_high, 0, 16));
   Vec bias_low(0.f), bias_high(0.f);
   if (t.bias_low) {
     bias_low = widen_bf16(_mm256_maskz_loadu_epi16(low, t.bias_low));
