@@ -50,14 +50,14 @@ class DotProductWeight:
 
 
 def _block_rows(out_features: int, gated: bool) -> torch.Tensor:
-    """For each packed row, the weight row it holds (out_features: padding)."""
-    half = out_features // 2 if gated else 16
-    starts = torch.arange(0, half if gated else out_features, 16 if gated else 32)
-    low = starts[:, None] + torch.arange(16)
-    limit = half if gated else out_features
-    rows = torch.cat([low.masked_fill(low >= limit, out_features),
-                      (low + half).masked_fill(low + half >= out_features, out_features)], dim=1)
-    return rows.flatten()
+    """For each packed row, the weight row it holds (out_features: padding): per block, 16 low
+    features, then the 16 high ones `offset` further."""
+    half = out_features // 2
+    low_end, step, offset = (half, 16, half) if gated else (out_features, 32, 16)
+    low = torch.arange(0, low_end, step)[:, None] + torch.arange(16)
+    high = low + offset
+    return torch.cat([low.masked_fill(low >= low_end, out_features),
+                      high.masked_fill(high >= out_features, out_features)], dim=1).flatten()
 
 
 class OneDnnWeight:
