@@ -24,8 +24,8 @@ class DotProductWeight:
     def __init__(self, weight: torch.Tensor, kernels, gated: bool = False):
         self.out_features, self.in_features = weight.shape
         self.gated, self.kernels = gated, kernels
-        self.rows = _block_rows(self.out_features, gated)  # packed row -> weight row (N: zero)
-        padded = F.pad(weight.detach(), (0, self.in_features % 2, 0, 1))[self.rows]
+        rows = _block_rows(self.out_features, gated)
+        padded = F.pad(weight.detach(), (0, self.in_features % 2, 0, 1))[rows]  # row N: zeros
         self.data = padded.view(-1, self.block, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
@@ -43,9 +43,10 @@ class DotProductWeight:
     def dense(self) -> torch.Tensor:
         blocks, pairs = self.data.shape[:2]
         packed = self.data.transpose(1, 2).reshape(blocks * self.block, pairs * 2)
-        valid = self.rows < self.out_features
+        rows = _block_rows(self.out_features, self.gated)
+        valid = rows < self.out_features
         dense = packed.new_empty(self.out_features, self.in_features)
-        dense[self.rows[valid]] = packed[valid, :self.in_features]
+        dense[rows[valid]] = packed[valid, :self.in_features]
         return dense
 
 

@@ -13,6 +13,7 @@ every later build wait forever; a stale one is removed under the flock).
 TRITONLM_CPU_KERNELS=0 turns the kernels off (`load` returns None): the PyTorch paths run.
 """
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -36,8 +37,9 @@ _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
 
+@functools.cache
 def cpu_flags() -> str:
-    """The "flags" line of /proc/cpuinfo (empty where there is none)."""
+    """The "flags" line of /proc/cpuinfo (empty where there is none); read once."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
