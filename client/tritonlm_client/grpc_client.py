@@ -16,13 +16,18 @@ _NUMPY = {"BYTES": np.object_, "INT64": np.int64, "BOOL": np.bool_}
 _DONE = object()
 
 
-def infer_input(name: str, value: Any) -> grpcclient.InferInput:
+def field_array(name: str, value: Any) -> np.ndarray:
+    """A request field as the array of its Triton datatype (FIELD_TYPES[name])."""
     dtype = FIELD_TYPES[name]
     items = value if isinstance(value, list) else [value]
     if dtype == "BYTES":
         items = [v.encode("utf-8") if isinstance(v, str) else v for v in items]
-    array = np.array(items, dtype=_NUMPY[dtype])
-    tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+    return np.array(items, dtype=_NUMPY[dtype])
+
+
+def infer_input(name: str, value: Any) -> grpcclient.InferInput:
+    array = field_array(name, value)
+    tensor = grpcclient.InferInput(name, list(array.shape), FIELD_TYPES[name])
     tensor.set_data_from_numpy(array)
     return tensor
 

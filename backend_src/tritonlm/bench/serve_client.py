@@ -11,13 +11,13 @@ import uuid
 
 import aiohttp
 import grpc
-import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import serialize_byte_tensor
 
 from tritonlm.bench.metrics import RequestRecord
 from tritonlm.bench.workloads import BenchRequest
 from tritonlm_client._core import FIELD_TYPES, RETURN_FLAGS, parse_outputs, request_fields
+from tritonlm_client.grpc_client import field_array
 
 
 def _fields(request: BenchRequest) -> dict:
@@ -103,8 +103,7 @@ def _infer_request(model: str, request_id: str, fields: dict) -> service_pb2.Mod
     request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
     request.parameters["triton_enable_empty_final_response"].bool_param = True
     for name, value in fields.items():
-        array = np.array(value if isinstance(value, list) else [value],
-                         dtype=object if FIELD_TYPES[name] == "BYTES" else None)
+        array = field_array(name, value)
         request.inputs.add(name=name, datatype=FIELD_TYPES[name], shape=array.shape)
         request.raw_input_contents.append(serialize_byte_tensor(array).item()
                                           if FIELD_TYPES[name] == "BYTES" else array.tobytes())
