@@ -1,11 +1,18 @@
-"""tritonlm-serve's error paths and command line; none needs a working model."""
+"""tritonlm-serve's command line, error paths and shutdown."""
+import queue
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import tritonclient.grpc as grpcclient
 
-from tritonlm.serve import build_command
+from conftest import linked_repository
+from tritonlm.serve import KILL_GRACE, build_command, exit_timeout
+from tritonlm_client.grpc_client import infer_input
+from tritonlm_client._core import request_fields
 from triton_server import SERVE, ServerStartError, start_server
 
 BAD_CONFIG = """name: "bad"
@@ -39,6 +46,12 @@ def test_build_command(tmp_path):
     assert env["LD_LIBRARY_PATH"].split(":")[0].endswith("nvidia_pytriton.libs")
 
 
+def test_exit_timeout_is_read_from_tritonservers_arguments():
+    assert exit_timeout([]) == 30
+    assert exit_timeout(["--exit-timeout-secs=4", "--log-info=1"]) == 4
+    assert exit_timeout(["--exit-timeout-secs", "7"]) == 7
+
+
 def test_missing_repository_is_a_clear_error(tmp_path):
     proc = subprocess.run([str(SERVE), "--model-repository", str(tmp_path / "nope")],
                           capture_output=True, text=True, timeout=60)
@@ -54,3 +67,40 @@ def test_model_that_fails_to_load_stops_the_server(bad_repo):
     message = str(err.value)
     assert "exited with code" in message and "before ready" in message
     assert "tritonlm-test: weights missing" in message
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()]
+
+
+def _running(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.server
+def test_sigterm_stops_the_server_while_a_client_holds_a_stream_open(smollm2_repo, tmp_path):
+    """tritonserver alone never exits while a gRPC stream stays open, even an idle one."""
+    repo = linked_repository(smollm2_repo, tmp_path / "repo", num_kv_blocks=64, max_model_len=256)
+    with start_server(repo, extra_args=("--exit-timeout-secs=2",)) as server:
+        responses: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        fields = request_fields([1, 2, 3], stream=True, sampling={"max_tokens": 2})
+        client.async_stream_infer("llm", [infer_input(n, v) for n, v in fields.items()])
+        for _ in range(2):
+            result, error = responses.get(timeout=60)
+            assert error is None
+        tritonserver = _children(server.process.pid)
+        processes = tritonserver + [c for pid in tritonserver for c in _children(pid)]
+        assert len(processes) == 2  # tritonserver and the backend stub
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(timeout=2 + KILL_GRACE + 30)
+        client.close()
+    deadline = time.monotonic() + 10  # a killed process takes a moment to be torn down
+    while (running := [pid for pid in processes if _running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running, server.logs()[-3000:]

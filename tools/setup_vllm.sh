@@ -17,7 +17,9 @@ VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 TORCH_VERSION=2.13.0
 
 # vLLM's CPU docs advise LD_PRELOAD of tcmalloc and libiomp5; tcmalloc comes from Debian.
-TCMALLOC=$(ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 /{print $NF; exit}')
+# awk reads all of ldconfig's output: exiting at the first match would SIGPIPE ldconfig, which
+# pipefail turns into a failure of the whole script.
+TCMALLOC=$(ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 / && !f {f = $NF} END {print f}')
 [ -n "$TCMALLOC" ] || for f in /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4; do
   [ -e "$f" ] && TCMALLOC=$f && break
 done

@@ -22,7 +22,13 @@ from tritonlm.bundled_server import ServeError, backend_directory, check_libpyth
 from tritonlm.tracing import ENDPOINT_VARIABLE
 from tritonlm.triton.contract import EXPLICIT_CONTROL_VARIABLE
 
-__all__ = ["ServeError", "build_command", "TritonServerProcess", "main"]
+__all__ = ["ServeError", "build_command", "exit_timeout", "TritonServerProcess", "main"]
+
+TRITON_EXIT_TIMEOUT = 30.0  # tritonserver's default --exit-timeout-secs
+# tritonserver 2.51 does not exit while a gRPC client holds a ModelStreamInfer stream open, even an
+# idle one: the model stays UNLOADING until --exit-timeout-secs, then tritonserver logs "Exiting
+# immediately" and waits on the stream forever. This long after the stop signal it is killed.
+KILL_GRACE = 5.0
 
 
 def build_command(repo, http_port=8000, grpc_port=8001, metrics_port=8002, log_verbose=0,
@@ -56,6 +62,17 @@ def build_command(repo, http_port=8000, grpc_port=8001, metrics_port=8002, log_v
     return argv + list(extra_args), env
 
 
+def exit_timeout(extra_args) -> float:
+    """The --exit-timeout-secs that tritonserver gets in `extra_args` (its default if none)."""
+    value = TRITON_EXIT_TIMEOUT
+    for i, arg in enumerate(extra_args):
+        if arg.startswith("--exit-timeout-secs="):
+            value = float(arg.split("=", 1)[1])
+        elif arg == "--exit-timeout-secs" and i + 1 < len(extra_args):
+            value = float(extra_args[i + 1])
+    return value
+
+
 def _get_json(url: str, method: str = "GET", timeout: float = 2.0):
     req = urllib.request.Request(url, method=method, data=b"{}" if method == "POST" else None)
     with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -72,7 +89,9 @@ class TritonServerProcess:
         self.argv, self.env = build_command(repo, http_port, grpc_port, metrics_port, log_verbose,
                                             extra_args, otlp_endpoint)
         self._io = (stdout, stderr)
+        self.exit_timeout = exit_timeout(extra_args)
         self.proc: subprocess.Popen | None = None
+        self._stop_time: float | None = None  # time.monotonic() of the first stop signal
 
     def start(self) -> "TritonServerProcess":
         """Launch the server; returns at once (see wait_ready)."""
@@ -111,14 +130,42 @@ class TritonServerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
 
-    def stop(self, timeout: float = 40.0) -> int:
-        """SIGTERM, wait up to `timeout` seconds, then SIGKILL; returns the exit code."""
-        self.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+    def kill(self) -> None:
+        """SIGKILL tritonserver and its backend stubs (its process group)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def request_stop(self, sig: int = signal.SIGTERM) -> None:
+        """Forward a stop signal; a second one kills at once."""
+        if self._stop_time is not None:
+            self.kill()
+            return
+        self._stop_time = time.monotonic()
+        self.send_signal(sig)
+
+    def wait(self) -> int:
+        """Wait for tritonserver to exit, killing it if it outlives its exit timeout + KILL_GRACE
+        after request_stop (which a signal handler may call meanwhile); returns the exit code."""
+        while True:
+            try:
+                return self.proc.wait(0.5)
+            except subprocess.TimeoutExpired:
+                if self._stop_time is None:
+                    continue
+                waited = time.monotonic() - self._stop_time
+                if waited > self.exit_timeout + KILL_GRACE:
+                    print(f"tritonlm-serve: tritonserver still runs {waited:.0f} s after the stop "
+                          "signal (a gRPC client holds a stream open); killing it",
+                          file=sys.stderr, flush=True)
+                    self.kill()
+
+    def stop(self) -> int:
+        """SIGTERM, then wait; returns the exit code."""
+        self.request_stop()
+        return self.wait()
 
     def __enter__(self):
         return self.start()
@@ -155,9 +202,8 @@ def main(argv=None) -> int:
     except ServeError as err:
         print(f"tritonlm-serve: error: {err}", file=sys.stderr)
         return 2
-    forward = lambda sig, _frame: server.send_signal(sig)  # noqa: E731
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, forward)
+        signal.signal(sig, lambda sig, _frame: server.request_stop(sig))
     server.start()
     if server.wait_ready():
         try:
@@ -169,7 +215,7 @@ def main(argv=None) -> int:
         print(f"tritonlm-serve: ready\n  HTTP    http://127.0.0.1:{args.http_port}\n"
               f"  gRPC    127.0.0.1:{args.grpc_port}\n  metrics http://127.0.0.1:{args.metrics_port}/metrics\n"
               f"  models  {models}", flush=True)
-        code = server.proc.wait()
+        code = server.wait()
     else:
         code = server.proc.returncode
         print(f"tritonlm-serve: tritonserver exited with code {code} before becoming ready", file=sys.stderr)
