@@ -35,6 +35,15 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // unnormalised probabilities stay below e^kLazyMax.
 constexpr float kLazyMax = 8.f;
 
+// at::parallel_for grain (rows) for an elementwise kernel over rows of `row_elements` values: a
+// decode step's few rows run on the calling thread. Splitting a few microseconds of work gains
+// less than the fork and join cost, and where the server shares the cores, a preempted worker
+// holds the whole region up until it runs again.
+inline int64_t elementwise_grain(int64_t row_elements) {
+  constexpr int64_t kMinParallelElements = 32768;
+  return std::max<int64_t>(1, kMinParallelElements / std::max<int64_t>(1, row_elements));
+}
+
 #ifdef CPU_CAPABILITY_AVX512
 // bfloat16 in registers, exactly as torch's casts: widening is a shift; narrowing rounds to
 // nearest even and keeps NaN a NaN (at::vec's generic conversions go through two vectors and a

@@ -27,7 +27,7 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, T* residual,
   const T* xp = x.data_ptr<T>();
   const T* wp = weight.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, elementwise_grain(H), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* src = xp + r * x.stride(0);
       Vec squares(0.f);
@@ -64,7 +64,7 @@ void act_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = x.size(0), I = out.size(1);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / I), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, elementwise_grain(2 * I), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = xp + r * x.stride(0);
       const T* up = gate + I;
@@ -84,7 +84,7 @@ void rotary_rows(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   T* xp = x.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
-  at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens * heads, elementwise_grain(2 * half), [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
       const int64_t t = index / heads;
       T* p = xp + t * x.stride(0) + (index % heads) * x.stride(1);
