@@ -8,6 +8,7 @@ VENV=.venv
 
 need_apt=()
 [ -x "$PYTHON" ] || need_apt+=(python3.11 python3.11-venv)
+# grep -c, not -q: quitting at the first match would SIGPIPE ldconfig (a failure under pipefail)
 ldconfig -p 2>/dev/null | grep -c 'libpython3.11.so.1.0' >/dev/null || [ -e /usr/lib/x86_64-linux-gnu/libpython3.11.so.1.0 ] \
   || need_apt+=(libpython3.11)
 if [ ${#need_apt[@]} -gt 0 ]; then

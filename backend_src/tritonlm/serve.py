@@ -27,7 +27,8 @@ __all__ = ["ServeError", "build_command", "exit_timeout", "TritonServerProcess",
 TRITON_EXIT_TIMEOUT = 30.0  # tritonserver's default --exit-timeout-secs
 # tritonserver 2.51 does not exit while a gRPC client holds a ModelStreamInfer stream open, even an
 # idle one: the model stays UNLOADING until --exit-timeout-secs, then tritonserver logs "Exiting
-# immediately" and waits on the stream forever. This long after the stop signal it is killed.
+# immediately" and waits on the stream forever. tritonlm-serve kills it this many seconds after
+# its exit timeout has passed.
 KILL_GRACE = 5.0
 
 
