@@ -166,7 +166,7 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   // share, not the other threads' wait for it. (One task per grab interleaved the threads' weight
   // blocks and was ~8% slower here; four keep each thread's reads contiguous as a fixed half did.)
   const int64_t tasks = blocks * chunks;
-  const int threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), tasks);
+  const int threads = region_threads(tasks);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #pragma omp for schedule(dynamic, kTasksPerGrab)

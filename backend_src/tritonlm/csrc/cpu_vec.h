@@ -44,6 +44,13 @@ inline int64_t elementwise_grain(int64_t row_elements) {
   return std::max<int64_t>(1, kMinParallelElements / std::max<int64_t>(1, row_elements));
 }
 
+// Threads for an OpenMP region that hands out `tasks` tasks dynamically (one when already inside
+// a parallel region).
+inline int region_threads(int64_t tasks) {
+  return at::in_parallel_region()
+      ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), tasks));
+}
+
 #ifdef CPU_CAPABILITY_AVX512
 // bfloat16 in registers, exactly as torch's casts: widening is a shift; narrowing rounds to
 // nearest even and keeps NaN a NaN (at::vec's generic conversions go through two vectors and a

@@ -377,8 +377,7 @@ void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& val
   const int64_t* ctx_ptr = context_lens.data_ptr<int64_t>();
   T* out_ptr = out.data_ptr<T>();
   const int64_t tasks = B * Hkv;
-  const int threads = at::in_parallel_region()
-      ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), tasks));
+  const int threads = region_threads(tasks);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     Scratch scratch(G, D, bs);

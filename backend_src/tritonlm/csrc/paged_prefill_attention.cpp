@@ -232,8 +232,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
     const T_* k_ptr = key_cache.data_ptr<T_>();
     const T_* v_ptr = value_cache.data_ptr<T_>();
     T_* out_ptr = out.data_ptr<T_>();
-    const int threads = at::in_parallel_region()
-        ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), tasks));
+    const int threads = region_threads(tasks);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
       const int64_t tile_rows = (kTile * G + kGroup - 1) / kGroup * kGroup;
