@@ -47,7 +47,13 @@ def test_streams_deltas_and_finishes(async_engine, smollm2_llm):
 def test_cancellation_stops_the_request_and_frees_its_blocks(async_engine):
     blocks = async_engine.engine.block_manager
     cancel = threading.Event()
-    collector = submit(async_engine, "c", "Count:", cancelled=cancel.is_set, temperature=0,
+    asked_on = set()
+
+    def cancelled():  # in Triton a round trip to the server, so never asked on the engine thread
+        asked_on.add(threading.current_thread().name)
+        return cancel.is_set()
+
+    collector = submit(async_engine, "c", "Count:", cancelled=cancelled, temperature=0,
                        max_tokens=500, ignore_eos=True)
     while len(collector.outputs) < 3:
         assert not collector.done.wait(0.01)
@@ -56,6 +62,7 @@ def test_cancellation_stops_the_request_and_frees_its_blocks(async_engine):
     assert collector.outputs[-1].sequences[0].finish_reason == "abort"
     assert len(collector.outputs) < 100
     assert blocks.num_free_blocks == blocks.num_blocks
+    assert asked_on and "tritonlm-engine" not in asked_on
 
 
 def test_a_failing_callback_aborts_only_its_request(async_engine):

@@ -17,9 +17,11 @@ logger = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]
 # A step failing this often in a row is a broken engine, not a bad batch.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
-# is_cancelled() may be a round trip to another process (Triton's), so it is asked this often
-# (seconds), not every step of every request.
+# is_cancelled() may be a round trip to another process (Triton's), so it is asked on a thread of
+# its own, this often (seconds) at most, and for no more than this share of the watcher's time
+# (with hundreds of requests in flight a sweep of round trips takes a while).
 CANCEL_POLL_INTERVAL = 0.1
+CANCEL_POLL_DUTY = 0.2
 
 
 @dataclass
@@ -43,9 +45,11 @@ class AsyncEngine:
         self._lock = threading.Condition()
         self._incoming: list[_Handle] = []
         self._aborts: list[str] = []
+        self._cancels: list[str] = []
         self._active: dict[str, _Handle] = {}
+        self._watched: dict[str, _Handle] = {}  # unfinished requests with an is_cancelled
         self._stopping = False
-        self._next_cancel_poll = 0.0
+        self._ended = threading.Event()  # set when the engine loop has ended
         self.death: Exception | None = None  # why the loop died, if it did
         # Called on the engine thread once if the loop dies (not on shutdown).
         self.on_death: Callable[[Exception], None] | None = None
@@ -53,11 +57,14 @@ class AsyncEngine:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # (handle, output); None ends it
         self._sender = threading.Thread(target=self._send_loop, name="tritonlm-sender",
                                         daemon=True)
+        self._watcher = threading.Thread(target=self._watch_cancellations,
+                                         name="tritonlm-cancel-watch", daemon=True)
 
     def start(self) -> None:
         """Start the threads; with an engine to build, return once it is built (or raise why it
         could not be)."""
         self._sender.start()
+        self._watcher.start()
         self._thread.start()
         if self._make_engine is not None and (error := self._built.get()) is not None:
             self._thread.join()
@@ -76,7 +83,10 @@ class AsyncEngine:
             if self._stopping:
                 raise RuntimeError(f"the engine has stopped: {self.death}" if self.death
                                    else "the engine is shutting down")
-            self._incoming.append(_Handle(request, on_output, is_cancelled))
+            handle = _Handle(request, on_output, is_cancelled)
+            self._incoming.append(handle)
+            if is_cancelled is not None:
+                self._watched[request.request_id] = handle
             self._lock.notify()
 
     def abort(self, request_id: str) -> None:
@@ -93,6 +103,7 @@ class AsyncEngine:
             self._thread.join(timeout)
         if self._sender.is_alive():
             self._sender.join(timeout)
+        self._watcher.join(timeout)
         if self.engine is not None:
             self.engine.shutdown(step_running=self._thread.is_alive())
 
@@ -107,6 +118,7 @@ class AsyncEngine:
                 self._built.put(None)
             self._loop_until_stopped()
         finally:
+            self._ended.set()
             self._outbox.put(None)  # the sender delivers what is queued, then ends
 
     def _loop_until_stopped(self) -> None:
@@ -131,17 +143,20 @@ class AsyncEngine:
         failures = 0
         while True:
             with self._lock:
-                while not (self._stopping or self._incoming or self._aborts or self._active):
+                while not (self._stopping or self._incoming or self._aborts or self._cancels
+                           or self._active):
                     self._lock.wait()
                 if self._stopping:
                     break
                 incoming, self._incoming = self._incoming, []
                 aborts, self._aborts = self._aborts, []
+                cancels, self._cancels = self._cancels, []
             for handle in incoming:
                 self._admit(handle)
-            for request_id in self._cancelled_ids():
-                self.engine.report_error("cancelled")
-                self._abort(request_id)
+            for request_id in cancels:
+                if request_id in self._active:
+                    self.engine.report_error("cancelled")
+                    self._abort(request_id)
             for request_id in aborts:
                 self._abort(request_id)
             try:
@@ -168,12 +183,19 @@ class AsyncEngine:
             return
         self._active[handle.request.request_id] = handle
 
-    def _cancelled_ids(self) -> list[str]:
-        now = time.monotonic()
-        if now < self._next_cancel_poll:
-            return []
-        self._next_cancel_poll = now + CANCEL_POLL_INTERVAL
-        return [rid for rid, h in self._active.items() if h.is_cancelled and h.is_cancelled()]
+    def _watch_cancellations(self) -> None:
+        pause = CANCEL_POLL_INTERVAL
+        while not self._ended.wait(pause):
+            with self._lock:
+                handles = list(self._watched.values())
+            started = time.monotonic()
+            cancelled = [h.request.request_id for h in handles if _asks_to_cancel(h)]
+            pause = max(CANCEL_POLL_INTERVAL,
+                        (time.monotonic() - started) * (1 - CANCEL_POLL_DUTY) / CANCEL_POLL_DUTY)
+            if cancelled:
+                with self._lock:
+                    self._cancels.extend(cancelled)
+                    self._lock.notify()
 
     def _abort(self, request_id: str) -> None:
         output = self.engine.abort(request_id)
@@ -194,6 +216,9 @@ class AsyncEngine:
     def _send_loop(self) -> None:
         while (item := self._outbox.get()) is not None:
             handle, output = item
+            if output.finished:
+                with self._lock:
+                    self._watched.pop(output.request_id, None)
             try:
                 handle.on_output(output)
             except Exception:
@@ -211,6 +236,14 @@ class AsyncEngine:
                 self._send(handle, _error_output(handle.request, error))
             elif output is not None:
                 self._send(handle, output)
+
+
+def _asks_to_cancel(handle: _Handle) -> bool:
+    try:
+        return handle.is_cancelled()
+    except Exception:
+        logger.exception("asking whether request %s was cancelled failed", handle.request.request_id)
+        return False
 
 
 def _error_output(request: Request, error: str) -> RequestOutput:
