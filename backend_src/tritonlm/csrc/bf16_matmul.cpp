@@ -55,6 +55,8 @@ struct Tile {
   int64_t out_stride;
   int64_t cols_low;  // valid features (< 16 only in the last block)
   int64_t cols_high;
+  const char* next;  // weights this tile pulls into L2 as it goes (see run_task), or null
+  int64_t next_bytes_per_pair;
 };
 
 // kAct < 0: the matmul; else act(gate) * up with activate<kAct> (cpu_vec.h) on a gated weight,
@@ -69,6 +71,10 @@ void matmul_tile(const Tile& t) {
     _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchPairs * 2 * kBlock), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchPairs * 2 * kBlock + kBlock),
                  _MM_HINT_T0);
+    if (t.next) {
+      const char* line = t.next + p * t.next_bytes_per_pair;
+      for (int64_t b = 0; b < t.next_bytes_per_pair; b += 64) _mm_prefetch(line + b, _MM_HINT_T1);
+    }
     accumulate_pair<R>(acc, w, [&](int r) {
       int32_t pair;
       std::memcpy(&pair, t.x + r * t.x_stride + 2 * p, sizeof(pair));
@@ -153,12 +159,21 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t ou
     const int64_t low = block * (gated ? 16 : kBlock);  // the block's first low feature
     const int64_t cols_low = std::min<int64_t>(16, (gated ? half : out_features) - low);
     const int64_t cols_high = std::min<int64_t>(16, out_features - low - half);
-    for (int64_t r = row0; r < row0 + rows; r += per_tile) {
+    // The first tile streams the block from memory; the others compute from cache, so with x in
+    // one chunk they pull the next block into L2 meanwhile, a share each, and the memory does not
+    // idle (32 rows: the 30 SmolLM2 layers' matmuls 11.1 -> 10.4 ms here).
+    const bool fetch_next = chunks == 1 && row_tiles > 1 && block + 1 < blocks;
+    const int64_t share = fetch_next ? (block_elems * 2 + row_tiles - 2) / (row_tiles - 1) : 0;
+    const int64_t pairs = packed.size(1);
+    for (int64_t r = row0, i = 0; r < row0 + rows; r += per_tile, ++i) {
       const int64_t n = std::min(per_tile, row0 + rows - r);
       uint16_t* out_row = os + r * out_cols;
+      const char* next = fetch_next && i > 0 ? reinterpret_cast<const char*>(
+          ws + (block + 1) * block_elems) + (i - 1) * share : nullptr;
       tiles[n - 1](Tile{xs + r * x.stride(0), x.stride(0), ws + block * block_elems, k,
                         bs ? bs + low : nullptr, bs ? bs + low + half : nullptr,
-                        out_row + low, out_row + low + half, out_cols, cols_low, cols_high});
+                        out_row + low, out_row + low + half, out_cols, cols_low, cols_high,
+                        next, (share + pairs - 1) / pairs});
     }
   };
   // Threads take kTasksPerGrab tasks at a time rather than a fixed half each: on a machine that
