@@ -118,3 +118,12 @@ def test_a_failed_build_is_raised_by_start():
     with pytest.raises(FileNotFoundError, match="no model here"):
         engine.start()
     assert not engine.is_alive
+
+
+def test_an_engine_that_fails_to_build_raises_from_start_and_leaves_no_thread():
+    def broken():
+        raise ValueError("no model here")
+    engine = AsyncEngine(broken)
+    with pytest.raises(ValueError, match="no model here"):
+        engine.start()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("tritonlm-")]

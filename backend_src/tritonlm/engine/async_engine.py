@@ -69,6 +69,7 @@ class AsyncEngine:
         if self._make_engine is not None and (error := self._built.get()) is not None:
             self._thread.join()
             self._sender.join()
+            self._watcher.join()
             raise error
 
     @property
