@@ -114,7 +114,9 @@ def test_half_precision_within_rounding_of_float32(kernel, dtype, head_dim, hq, 
 @pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (7, 1)], ids=["gqa", "mha", "mqa"])
 @pytest.mark.parametrize("variant", ["plain", "alibi", "window"])
 def test_bfloat16_variants(kernel, head_dim, block_size, hq, hkv, variant):
-    contexts = [1, block_size, block_size + 1, 3 * block_size, 70, 9, 2 * block_size - 1]
+    # 9 sequences: with 2 threads the CPU kernel hands out a sequence's kv heads together
+    contexts = [1, block_size, block_size + 1, 3 * block_size, 70, 9, 2 * block_size - 1,
+                4 * block_size + 3, 5]
     q, k, v, rows, ctx = make_case(len(contexts), hq, hkv, head_dim, contexts,
                                    dtype=torch.bfloat16, block_size=block_size, num_blocks=24)
     scale = head_dim ** -0.5

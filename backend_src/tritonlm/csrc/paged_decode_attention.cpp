@@ -185,11 +185,13 @@ inline void accumulate_bf16(float* acc, const float* alpha, const uint16_t* p, c
 }
 
 // kD % 32 == 0 and bs % 16 == 0.
+// next_rows: the block rows of the kv head this thread attends next for the same sequence (see
+// run), whose first blocks it prefetches as it ends this one; or null.
 template <int kD>
 void attend_group_bf16(const c10::BFloat16* q_, const c10::BFloat16* key_cache_,
                        const c10::BFloat16* value_cache_, const int64_t* rows, int64_t context,
                        const float* slopes, int64_t window, float scale, int64_t G, int64_t bs,
-                       c10::BFloat16* out, Scratch& s) {
+                       c10::BFloat16* out, Scratch& s, const int64_t* next_rows) {
   static_assert(kD % 32 == 0, "head dim must be a multiple of 32");
   constexpr int QV = kD / 32;  // 512-bit registers of bf16 per head
   const auto* q = reinterpret_cast<const uint16_t*>(q_);
@@ -211,13 +213,16 @@ void attend_group_bf16(const c10::BFloat16* q_, const c10::BFloat16* key_cache_,
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   const __m512 vscale = _mm512_set1_ps(scale);
-  const int64_t last_block = (context - 1) / bs;
+  const int64_t first_block = first_key / bs, last_block = (context - 1) / bs;
+  const int64_t blocks = last_block - first_block + 1;
 
-  prefetch_first_blocks(key_cache, value_cache, rows, first_key / bs, last_block, block_elems * 2);
-  for (int64_t j = first_key / bs; j <= last_block; ++j) {
-    if (j + kAhead <= last_block) {
-      prefetch_rows(key_cache + rows[j + kAhead] * block_elems, block_elems * 2);
-      prefetch_rows(value_cache + rows[j + kAhead] * block_elems, block_elems * 2);
+  prefetch_first_blocks(key_cache, value_cache, rows, first_block, last_block, block_elems * 2);
+  for (int64_t j = first_block; j <= last_block; ++j) {
+    const int64_t* ahead_rows = j + kAhead <= last_block ? rows : next_rows;
+    const int64_t ahead = j + kAhead <= last_block ? j + kAhead : j + kAhead - blocks;
+    if (ahead_rows != nullptr && ahead <= last_block) {
+      prefetch_rows(key_cache + ahead_rows[ahead] * block_elems, block_elems * 2);
+      prefetch_rows(value_cache + ahead_rows[ahead] * block_elems, block_elems * 2);
     }
     for (int64_t c = 0; c < bs; c += 16) {
       const int64_t base = j * bs + c;
@@ -378,10 +383,15 @@ void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& val
   T* out_ptr = out.data_ptr<T>();
   const int64_t tasks = B * Hkv;
   const int threads = region_threads(tasks);
+  // With sequences enough to share out, a thread takes all kv heads of one: their rows of a block
+  // lie side by side in the cache (row = block * Hkv + head) and it prefetches the next head's
+  // first blocks as it ends a head. Split between threads, each fetched lines beside the other's:
+  // 32 sequences x 192 keys, 30 layers, 7.4-8.1 -> 5.0-5.5 ms; 8 x 1024 8.5-9.7 -> 7.1 ms.
+  const int64_t grab = B >= 4 * threads ? Hkv : 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     Scratch scratch(G, D, bs);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, grab)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t head = h * G;
@@ -391,7 +401,8 @@ void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& val
           attend_group_bf16<kD>(q_ptr + (b * Hq + head) * D, k_ptr, v_ptr, rows_ptr + task * nb,
                                 ctx_ptr[b], slopes ? slopes + head : nullptr, window,
                                 static_cast<float>(scale), G, bs,
-                                out_ptr + (b * Hq + head) * D, scratch);
+                                out_ptr + (b * Hq + head) * D, scratch,
+                                h + 1 < grab ? rows_ptr + (task + 1) * nb : nullptr);
           continue;
         }
       }
