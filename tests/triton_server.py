@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+
+from tritonlm.ports import free_ports
 
 SERVE = Path(sys.executable).parent / "tritonlm-serve"
 
@@ -46,20 +47,6 @@ class RunningServer:
         req = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}", method="POST")
         with urllib.request.urlopen(req, timeout=5) as resp:
             return [m["name"] for m in json.load(resp)]
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct TCP ports that were free a moment ago."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _ready(http_url: str) -> bool:
@@ -89,7 +76,7 @@ def _tail(path: Path, lines: int = 60) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-PORT_CLASH = "Address already in use"
+PORT_CLASH = "already in use"  # gRPC: "Address already in use", HTTP: "Socket '...' already in use"
 
 
 def _launch(repo_path, log_path: Path, log_verbose: int, extra_args, timeout: float,

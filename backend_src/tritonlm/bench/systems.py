@@ -3,7 +3,6 @@ the runs of all of them can alternate round by round: our engine in process, our
 real tritonserver, HF transformers `generate`, and vLLM's CPU build."""
 import asyncio
 import random
-import socket
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -16,6 +15,7 @@ from tqdm import tqdm
 from tritonlm.bench import metrics, workloads
 from tritonlm.bench.workloads import BenchRequest
 from tritonlm.config import EngineConfig
+from tritonlm.ports import free_ports
 
 OURS = "tritonlm offline"
 
@@ -70,16 +70,6 @@ def offline(args, model_dir: Path, requests: list[BenchRequest], vocab_size: int
         engine.shutdown()
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
-
-
 @contextmanager
 def _server(args, model_dir: Path) -> Iterator[str]:
     """The URL of --url's server, or of a tritonserver started on --model's repository."""
@@ -87,7 +77,7 @@ def _server(args, model_dir: Path) -> Iterator[str]:
         yield args.url
         return
     from tritonlm.serve import TritonServerProcess
-    http, grpc, metrics_port = _free_ports(3)
+    http, grpc, metrics_port = free_ports(3)
     log_path = Path(args.json or "tritonlm-bench").with_suffix(".server.log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:

@@ -9,7 +9,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import torch.distributed as dist
 
 from tritonlm.distributed import parallel_state
 from tritonlm.errors import EngineFatalError
+from tritonlm.ports import free_ports
 
 logger = logging.getLogger(__name__)
 # A collective that waits longer than this on a silent rank fails instead of hanging.
@@ -45,9 +45,7 @@ def _rendezvous() -> str:
     address = os.environ.get("MASTER_ADDR")
     if address:
         return f"tcp://{address}:{os.environ.get('MASTER_PORT', '29500')}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_ports(1)[0]}"
 
 
 def _python() -> str:
