@@ -118,3 +118,40 @@ def test_a_failed_build_is_raised_by_start_and_leaves_no_thread():
     with pytest.raises(FileNotFoundError, match="no model here"):
         engine.start()
     assert not [t.name for t in threading.enumerate() if t.name.startswith("tritonlm-")]
+
+
+def _token_counts(outputs, index=0):
+    return [len(o.sequences[index].token_ids) for o in outputs]
+
+
+def test_stream_interval_sends_the_first_token_then_every_interval_and_the_end(async_engine,
+                                                                                smollm2_llm):
+    params = dict(temperature=0, max_tokens=11, ignore_eos=True)
+    collector = submit(async_engine, "s", "Hello", stream_interval=4, **params)
+    assert collector.done.wait(120)
+    assert _token_counts(collector.outputs) == [1, 4, 4, 2]  # vLLM's stream_interval
+    offline = smollm2_llm.generate(["Hello"], SamplingParams(**params))[0]
+    assert [t for o in collector.outputs for t in o.sequences[0].token_ids] == offline.token_ids
+    assert "".join(o.sequences[0].text for o in collector.outputs) == offline.text
+
+
+def test_the_engine_stream_interval_is_a_floor_for_the_request(async_engine, monkeypatch):
+    monkeypatch.setattr(async_engine.engine.config, "stream_interval", 3)
+    params = dict(temperature=0, max_tokens=8, ignore_eos=True)
+    lower = submit(async_engine, "lower", "Hello", stream_interval=2, **params)
+    higher = submit(async_engine, "higher", "Hello", stream_interval=5, **params)
+    assert lower.done.wait(120) and higher.done.wait(120)
+    assert _token_counts(lower.outputs) == [1, 3, 3, 1]
+    assert _token_counts(higher.outputs) == [1, 5, 2]
+
+
+def test_stream_interval_with_several_sequences_delivers_each_whole(async_engine, smollm2_llm):
+    params = dict(temperature=1.0, seed=11, n=2, max_tokens=9, ignore_eos=True)
+    collector = submit(async_engine, "n", "Once upon a time", stream_interval=4, **params)
+    assert collector.done.wait(120)
+    offline, = smollm2_llm.generate(["Once upon a time"], SamplingParams(**params))
+    for index in range(2):
+        tokens = [t for o in collector.outputs for t in o.sequences[index].token_ids]
+        assert tokens == offline.choices[index].token_ids
+    # the second sequence forks a step later; both flush together: 5 outputs instead of 10
+    assert len(collector.outputs) <= 5 and collector.outputs[-1].finished

@@ -64,20 +64,23 @@ def test_offline_with_transformers_shared_prefix_json_and_plot(smollm2_repo, tmp
     assert "TTFT cold" in printed
 
 
-def test_served_over_grpc_at_several_concurrencies(smollm2_server, smollm2_repo, tmp_path):
+def test_served_over_grpc_at_several_concurrencies_and_stream_intervals(smollm2_server,
+                                                                       smollm2_repo, tmp_path):
     out = tmp_path / "served.json"
     main(["--model", str(smollm2_repo), "--mode", "serve", "--url", smollm2_server.grpc_url,
           "--served-model", "llm", "--concurrency", "1,4", "--num-requests", "4",
-          "--input-len", "16", "--output-len", "8", "--json", str(out)])
+          "--input-len", "16", "--output-len", "8", "--stream-interval", "1,4",
+          "--json", str(out)])
     runs = _runs(out)
     assert sorted(runs) == ["tritonlm served (grpc) concurrency=1",
-                            "tritonlm served (grpc) concurrency=4"]
-    for run in runs.values():
+                            "tritonlm served (grpc) concurrency=4",
+                            "tritonlm served (grpc, 4 tokens per response) concurrency=1",
+                            "tritonlm served (grpc, 4 tokens per response) concurrency=4"]
+    for name, run in runs.items():
         assert (run["completed"], run["failed"], run["output_tokens"]) == (4, 0, 32)
-        # Streamed token by token: inter-token gaps are real gaps, not one burst.
-        assert run["itl_ms"]["p50"] > 0
-    one, four = runs.values()
-    assert one["concurrency"] == 1 and four["concurrency"] == 4
+        # Token by token, inter-token gaps are real gaps; by 4 (1, 4, 3) most arrive together.
+        assert (run["itl_ms"]["p50"] > 0) == (run["stream_interval"] == 1), name
+    assert [runs[f"tritonlm served (grpc) concurrency={c}"]["concurrency"] for c in (1, 4)] == [1, 4]
 
 
 def test_served_over_grpc_counts_failed_requests_apart_from_the_others(smollm2_server,

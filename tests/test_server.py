@@ -138,6 +138,26 @@ def test_http_generate_and_generate_stream(smollm2_server):
     assert [e["token_ids"] for e in events] == whole["token_ids"]
 
 
+def test_stream_interval_groups_tokens_per_response_over_grpc_and_sse(smollm2_server):
+    sampling = {"temperature": 0, "max_tokens": 10, "ignore_eos": True}
+    whole, _ = grpc_stream(smollm2_server.grpc_url, "Once upon a time", sampling, stream=False)
+    grouped, error = grpc_stream(smollm2_server.grpc_url, "Once upon a time",
+                                 {**sampling, "stream_interval": 4})
+    assert error is None
+    assert [len(r.as_numpy("token_ids")) for r in grouped] == [1, 4, 4, 1]
+    assert [r.as_numpy("num_output_tokens").tolist() for r in grouped] == [[1], [4], [4], [1]]
+    assert "".join(text_of(r) for r in grouped) == text_of(whole[0])
+    body = {"text_input": "Once upon a time", "stream": True, "return_token_ids": True,
+            "stream_interval": 4, **sampling}  # a request parameter this time
+    status, text = http_post(smollm2_server.http_url, "/v2/models/llm/generate_stream", body)
+    assert status == 200, text
+    events = [json.loads(line[len("data: "):]) for line in text.splitlines()
+              if line.startswith("data: ")]
+    # the generate endpoint sends a one-element output as a scalar
+    assert [np.size(e["token_ids"]) for e in events] == [1, 4, 4, 1]
+    assert "".join(e["text_output"] for e in events) == text_of(whole[0])
+
+
 def test_exclude_input_in_output_false_echoes_the_prompt(smollm2_server):
     prompt = "Roses are red,"
     results, error = grpc_stream(smollm2_server.grpc_url, prompt,

@@ -32,6 +32,7 @@ BAD_SAMPLING = [
     ({"n": 0}, "n must"),
     ({"n": 2, "best_of": 1}, "best_of"),
     ({"n": 2, "temperature": 0}, "temperature"),
+    ({"stream_interval": 0}, "stream_interval"),
     ({"guided_json": {}}, "guided_json"),
 ]
 

@@ -25,6 +25,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
+    # A streamed request gets its first tokens at once, then a response per this many new tokens
+    # (and its last); above 1 each response costs the transport less (vLLM's --stream-interval).
+    stream_interval: int = 1
     device: str = "auto"
     # CUDA: run decode steps eagerly instead of replaying CUDA graphs (engine/decode_graphs.py)
     enforce_eager: bool = False
@@ -38,7 +41,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                              f"got {self.kv_cache_dtype!r}")
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "tensor_parallel_size", "kv_cache_memory"):
+                     "tensor_parallel_size", "kv_cache_memory", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:

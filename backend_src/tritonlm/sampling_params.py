@@ -32,6 +32,7 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives to report per generated token
     n: int = 1  # sequences returned
     best_of: int | None = None  # sequences generated, the n with the best cumulative logprob kept
+    stream_interval: int | None = None  # new tokens per streamed output; raises the engine's
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -71,6 +72,8 @@ class SamplingParams:
         if (self.best_of or self.n) > 1 and self.temperature == 0:
             _bad("temperature", self.temperature, "must be > 0 when n or best_of exceed 1 "
                  "(greedy sequences would all be the same)")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            _bad("stream_interval", self.stream_interval, "must be >= 1")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             _bad("seed", self.seed, "must be in [0, 2**63)")
         for name in ("stop", "bad_words"):
@@ -102,7 +105,7 @@ _FIELD_TYPES = {
     "top_k": int, "top_p": (int, float), "min_p": (int, float), "typical_p": (int, float),
     "repetition_penalty": (int, float), "presence_penalty": (int, float),
     "frequency_penalty": (int, float), "logprobs": (int, type(None)), "n": int,
-    "best_of": (int, type(None)),
+    "best_of": (int, type(None)), "stream_interval": (int, type(None)),
     "seed": (int, type(None)), "stop": list,
     "stop_token_ids": list, "bad_words": list, "include_stop_str_in_output": bool, "ignore_eos": bool,
     "skip_special_tokens": bool,

@@ -20,9 +20,11 @@ from tritonlm_client._core import FIELD_TYPES, RETURN_FLAGS, parse_outputs, requ
 from tritonlm_client.grpc_client import field_array
 
 
-def _fields(request: BenchRequest) -> dict:
+def _fields(request: BenchRequest, stream_interval: int) -> dict:
     """Streamed greedy generation; of the optional outputs only token_ids, to count tokens."""
     sampling = {"max_tokens": request.output_len, "temperature": 0, "ignore_eos": True}
+    if stream_interval > 1:
+        sampling["stream_interval"] = stream_interval
     fields = request_fields(request.prompt_token_ids, stream=True, sampling=sampling)
     return {name: value for name, value in fields.items()
             if name not in RETURN_FLAGS or name == "return_token_ids"}
@@ -34,8 +36,9 @@ class GrpcStreamer:
     request read through grpc's asyncio API cost the client 1.2-1.3x the CPU (32 x 128 tokens:
     0.65 s against 0.49-0.58 s), CPU the benchmark takes from the server on a shared machine."""
 
-    def __init__(self, url: str, model: str):
+    def __init__(self, url: str, model: str, stream_interval: int):
         self.model = model
+        self.stream_interval = stream_interval
         self.channel = grpc.insecure_channel(url)
         self.outgoing: queue.SimpleQueue = queue.SimpleQueue()  # requests; None ends the stream
         call = service_pb2_grpc.GRPCInferenceServiceStub(self.channel).ModelStreamInfer(
@@ -56,7 +59,8 @@ class GrpcStreamer:
                 record.error = self.ended
                 return
             self.waiting[request_id] = (record, done)
-        self.outgoing.put(_infer_request(self.model, request_id, _fields(request)))
+        fields = _fields(request, self.stream_interval)
+        self.outgoing.put(_infer_request(self.model, request_id, fields))
         await done
 
     def _read(self, call) -> None:
@@ -119,13 +123,15 @@ def _count_int64(result, name: str) -> int:
 
 
 class SseStreamer:
-    def __init__(self, url: str, model: str):
+    def __init__(self, url: str, model: str, stream_interval: int):
+        self.stream_interval = stream_interval
         self.endpoint = f"http://{url}/v2/models/{model}/generate_stream"
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
                                              connector=aiohttp.TCPConnector(limit=0))
 
     async def send(self, request: BenchRequest, record: RequestRecord) -> None:
-        async with self.session.post(self.endpoint, json=_fields(request)) as response:
+        fields = _fields(request, self.stream_interval)
+        async with self.session.post(self.endpoint, json=fields) as response:
             if response.status != 200:
                 record.error = f"HTTP {response.status}: {await response.text()}"
                 return
@@ -146,10 +152,12 @@ class SseStreamer:
 
 async def run_load(requests: list[BenchRequest], url: str, model: str, protocol: str,
                    concurrency: int | None = None, request_rate: float | None = None,
-                   seed: int = 0, on_done=lambda: None) -> tuple[list[RequestRecord], float]:
+                   seed: int = 0, on_done=lambda: None, stream_interval: int = 1
+                   ) -> tuple[list[RequestRecord], float]:
     """Send every request; at most `concurrency` in flight, or arrivals at `request_rate` per
-    second (Poisson; inf sends all at once). Returns the records and the run's duration."""
-    streamer = (GrpcStreamer if protocol == "grpc" else SseStreamer)(url, model)
+    second (Poisson; inf sends all at once), each streamed a response per `stream_interval`
+    tokens. Returns the records and the run's duration."""
+    streamer = (GrpcStreamer if protocol == "grpc" else SseStreamer)(url, model, stream_interval)
     limit = asyncio.Semaphore(concurrency or len(requests))
     rng = random.Random(seed)
     records: list[RequestRecord] = []

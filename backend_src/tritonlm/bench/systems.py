@@ -100,11 +100,10 @@ def served(args, model_dir: Path, requests: list[BenchRequest], vocab_size: int
     from tritonlm.bench.serve_client import run_load
     model_dir = Path(model_dir)
     model = args.served_model or model_dir.name
-    series = f"tritonlm served ({args.protocol})"
     with _server(args, model_dir) as url:
-        def load(batch, concurrency=None, rate=None, done=lambda: None):
+        def load(batch, concurrency=None, rate=None, done=lambda: None, stream_interval=1):
             return asyncio.run(run_load(batch, url, model, args.protocol, concurrency, rate,
-                                        args.seed, done))
+                                        args.seed, done, stream_interval))
 
         def fresh(batch: list[BenchRequest]) -> list[BenchRequest]:
             return workloads.renamed(batch, vocab_size, random.SystemRandom().random())
@@ -117,16 +116,20 @@ def served(args, model_dir: Path, requests: list[BenchRequest], vocab_size: int
                   + [("request_rate", r) for r in args.request_rate or []]
                   ) or [("concurrency", len(requests))]
 
-        def system(kind: str, value: float) -> System:
+        def system(kind: str, value: float, interval: int) -> System:
+            series = f"tritonlm served ({args.protocol}" + (
+                f", {interval} tokens per response)" if interval > 1 else ")")
             label = f"{series} {kind}={value:g}"
             rate = {"concurrency" if kind == "concurrency" else "rate": value}
 
             def run() -> dict:
                 batch = fresh(requests)
-                return _timed(label, batch, lambda done: load(batch, **rate, done=done),
-                              args.slo, series=series, **{kind: value})
+                return _timed(label, batch, lambda done: load(batch, **rate, done=done,
+                                                              stream_interval=interval),
+                              args.slo, series=series, stream_interval=interval, **{kind: value})
             return System(label, run, extra)
-        yield [system(kind, value) for kind, value in points]
+        yield [system(kind, value, interval) for interval in args.stream_interval
+               for kind, value in points]
 
 
 @contextmanager

@@ -123,7 +123,8 @@ class LLMEngine:
                                           p.skip_special_tokens, p.stop,
                                           p.include_stop_str_in_output)
         state = RequestState(seq, make_detokenizer, self._logprob_entry,
-                             RequestTimeline(request.arrival), request.trace_parent)
+                             RequestTimeline(request.arrival), request.trace_parent,
+                             max(p.stream_interval or 1, self.config.stream_interval))
         self._requests[request.request_id] = state
         self._seq_requests[seq.seq_id] = state
         self.scheduler.add(seq)

@@ -33,7 +33,7 @@ class RequestOutput:
 class RequestState:
     def __init__(self, first: Sequence, make_detokenizer: Callable[[], IncrementalDetokenizer],
                  logprob_entry: Callable[[SampledToken], dict], timeline: RequestTimeline,
-                 trace_parent: str | None = None):
+                 trace_parent: str | None = None, stream_interval: int = 1):
         params = first.params
         self.request_id = first.request_id
         self.num_prompt_tokens = first.num_input_tokens
@@ -43,6 +43,7 @@ class RequestState:
         self.logprob_entry = logprob_entry
         self.timeline = timeline
         self.trace_parent = trace_parent
+        self.stream_interval = stream_interval
         self.seqs: list[Sequence] = []
         self.detokenizers: list[IncrementalDetokenizer] = []
         self.num_sent: list[int] = []
@@ -75,10 +76,20 @@ class RequestState:
                 return None
             best = sorted(self.seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:self.n]
             deltas = [self._delta(seq, index) for index, seq in enumerate(best)]
+        elif not self._due():
+            return None
         else:
             deltas = [self._delta(seq, seq.index) for seq in self.seqs]
             deltas += [SequenceOutput(i) for i in range(len(deltas), self.n)]
         return RequestOutput(self.request_id, deltas, self.finished, self.num_prompt_tokens)
+
+    def _due(self) -> bool:
+        """Output now: a sequence's first tokens, its end, or stream_interval tokens unsent."""
+        if self.stream_interval == 1 or self.finished:
+            return True
+        return any(sent == 0 or seq.is_finished or unsent >= self.stream_interval
+                   for seq, sent in zip(self.seqs, self.num_sent)
+                   if (unsent := seq.num_output_tokens - sent))
 
     def _delta(self, seq: Sequence, index: int) -> SequenceOutput:
         sent = self.num_sent[seq.index]
