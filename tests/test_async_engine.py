@@ -155,3 +155,24 @@ def test_stream_interval_with_several_sequences_delivers_each_whole(async_engine
         assert tokens == offline.choices[index].token_ids
     # the second sequence forks a step later; both flush together: 5 outputs instead of 10
     assert len(collector.outputs) <= 5 and collector.outputs[-1].finished
+
+
+def test_a_request_that_does_not_stream_gets_one_output_with_everything(async_engine):
+    params = SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=9, logprobs=2,
+                            ignore_eos=True, stop=["\n\n"])
+    outputs = {}
+    for stream in (True, False):
+        collector = Collector()
+        request = async_engine.engine.make_request(f"stream-{stream}", "The weather today", params)
+        request.stream = stream
+        async_engine.submit(request, collector)
+        assert collector.done.wait(120)
+        outputs[stream] = collector.outputs
+    (whole,) = outputs[False]
+    assert whole.finished and len(outputs[True]) > 1
+    for index in range(2):
+        pieces = [o.sequences[index] for o in outputs[True]]
+        assert whole.sequences[index].token_ids == [t for p in pieces for t in p.token_ids]
+        assert whole.sequences[index].text == "".join(p.text for p in pieces)
+        assert whole.sequences[index].logprobs == [e for p in pieces for e in p.logprobs or []]
+        assert whole.sequences[index].finish_reason == pieces[-1].finish_reason

@@ -62,6 +62,7 @@ class LLM:
         results = {}
         for prompt, p in zip(prompts, params):
             request = self.engine.make_request(f"offline-{next(self._ids)}", prompt, p)
+            request.stream = False
             self.engine.add(request)
             results[request.request_id] = CompletionOutput(
                 prompt_token_ids=request.prompt_token_ids,

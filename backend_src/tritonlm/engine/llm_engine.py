@@ -124,7 +124,8 @@ class LLMEngine:
                                           p.include_stop_str_in_output)
         state = RequestState(seq, make_detokenizer, self._logprob_entry,
                              RequestTimeline(request.arrival), request.trace_parent,
-                             max(p.stream_interval or 1, self.config.stream_interval))
+                             max(p.stream_interval or 1, self.config.stream_interval)
+                             if request.stream else None)
         self._requests[request.request_id] = state
         self._seq_requests[seq.seq_id] = state
         self.scheduler.add(seq)

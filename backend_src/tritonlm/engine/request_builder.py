@@ -18,6 +18,7 @@ class Request:
     bad_words_ids: list[list[int]] = field(default_factory=list)
     arrival: float = field(default_factory=time.time)
     trace_parent: str | None = None  # W3C traceparent to continue
+    stream: bool = True  # False: one output, when the request ends (vLLM's FINAL_ONLY)
 
 
 class RequestBuilder:

@@ -33,7 +33,7 @@ class RequestOutput:
 class RequestState:
     def __init__(self, first: Sequence, make_detokenizer: Callable[[], IncrementalDetokenizer],
                  logprob_entry: Callable[[SampledToken], dict], timeline: RequestTimeline,
-                 trace_parent: str | None = None, stream_interval: int = 1):
+                 trace_parent: str | None = None, stream_interval: int | None = 1):
         params = first.params
         self.request_id = first.request_id
         self.num_prompt_tokens = first.num_input_tokens
@@ -43,7 +43,7 @@ class RequestState:
         self.logprob_entry = logprob_entry
         self.timeline = timeline
         self.trace_parent = trace_parent
-        self.stream_interval = stream_interval
+        self.stream_interval = stream_interval  # None: output only at the end
         self.seqs: list[Sequence] = []
         self.detokenizers: list[IncrementalDetokenizer] = []
         self.num_sent: list[int] = []
@@ -87,6 +87,8 @@ class RequestState:
         """Output now: a sequence's first tokens, its end, or stream_interval tokens unsent."""
         if self.stream_interval == 1 or self.finished:
             return True
+        if self.stream_interval is None:
+            return False
         return any(sent == 0 or seq.is_finished or unsent >= self.stream_interval
                    for seq, sent in zip(self.seqs, self.num_sent)
                    if (unsent := seq.num_output_tokens - sent))

@@ -78,6 +78,7 @@ class TritonPythonModel:
         prepared = self.engine.make_request(request_id, parsed.prompt, parsed.params,
                                             parsed.messages, parsed.add_generation_prompt)
         prepared.trace_parent = _trace_parent(request) if self.tracer is not None else None
+        prepared.stream = parsed.stream
         prompt_text = prepared.prompt_text
         if prompt_text is None and not parsed.exclude_input_in_output:
             prompt_text = self.engine.tokenizer.decode(prepared.prompt_token_ids)
