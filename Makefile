@@ -29,8 +29,8 @@ setup-vllm:
 	tools/setup_vllm.sh
 
 bench: setup
-	$(VENV)/bin/tritonlm-bench --mode offline serve --concurrency 32 --stream-interval 1,4 --compare hf \
-		--roofline --rounds 3 --json bench_results/fixed.json --plot bench_results/fixed.png
+	$(VENV)/bin/tritonlm-bench --mode offline serve --concurrency 32 --stream-interval 1,4 \
+		--compare hf --roofline --rounds 3 --json bench_results/fixed.json --plot bench_results/fixed.png
 
 bench-vllm: setup setup-vllm
 	$(VENV)/bin/tritonlm-bench --compare hf vllm --rounds 3 --json bench_results/vllm.json

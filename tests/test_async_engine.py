@@ -159,7 +159,7 @@ def test_stream_interval_with_several_sequences_delivers_each_whole(async_engine
 
 def test_a_request_that_does_not_stream_gets_one_output_with_everything(async_engine):
     params = SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=9, logprobs=2,
-                            ignore_eos=True, stop=["\n\n"])
+                            ignore_eos=True, stop=[" be"])
     outputs = {}
     for stream in (True, False):
         collector = Collector()
@@ -170,9 +170,25 @@ def test_a_request_that_does_not_stream_gets_one_output_with_everything(async_en
         outputs[stream] = collector.outputs
     (whole,) = outputs[False]
     assert whole.finished and len(outputs[True]) > 1
+    # this seed's sequences: one ends on the stop string, the other runs to max_tokens
+    assert sorted(s.finish_reason for s in whole.sequences) == ["length", "stop"]
     for index in range(2):
         pieces = [o.sequences[index] for o in outputs[True]]
         assert whole.sequences[index].token_ids == [t for p in pieces for t in p.token_ids]
         assert whole.sequences[index].text == "".join(p.text for p in pieces)
         assert whole.sequences[index].logprobs == [e for p in pieces for e in p.logprobs or []]
         assert whole.sequences[index].finish_reason == pieces[-1].finish_reason
+
+
+def test_offline_generate_gets_one_engine_output_per_request(smollm2_llm, monkeypatch):
+    outputs = []
+    step = smollm2_llm.engine.step
+
+    def recorded_step():
+        outputs.extend(step_outputs := step())
+        return step_outputs
+    monkeypatch.setattr(smollm2_llm.engine, "step", recorded_step)
+    results = smollm2_llm.generate(["Hello", "Good morning"],
+                                   SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(outputs) == 2 and all(o.finished for o in outputs)
+    assert [len(r.token_ids) for r in results] == [6, 6]

@@ -80,7 +80,8 @@ def test_served_over_grpc_at_several_concurrencies_and_stream_intervals(smollm2_
         assert (run["completed"], run["failed"], run["output_tokens"]) == (4, 0, 32)
         # Token by token, inter-token gaps are real gaps; by 4 (1, 4, 3) most arrive together.
         assert (run["itl_ms"]["p50"] > 0) == (run["stream_interval"] == 1), name
-    assert [runs[f"tritonlm served (grpc) concurrency={c}"]["concurrency"] for c in (1, 4)] == [1, 4]
+    per_token = [runs[f"tritonlm served (grpc) concurrency={c}"] for c in (1, 4)]
+    assert [run["concurrency"] for run in per_token] == [1, 4]
 
 
 def test_served_over_grpc_counts_failed_requests_apart_from_the_others(smollm2_server,

@@ -32,7 +32,7 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives to report per generated token
     n: int = 1  # sequences returned
     best_of: int | None = None  # sequences generated, the n with the best cumulative logprob kept
-    stream_interval: int | None = None  # new tokens per streamed output; raises the engine's
+    stream_interval: int | None = None  # new tokens per streamed output, at least the engine's
 
     def __post_init__(self):
         if isinstance(self.stop, str):

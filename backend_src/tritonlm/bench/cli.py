@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests in flight, one run per value (e.g. 1,8,32)")
     s.add_argument("--request-rate", type=lambda t: [float(v) for v in t.split(",")],
                    help="Poisson arrivals per second, one run per value (inf: all at once)")
-    s.add_argument("--stream-interval", type=lambda t: [int(v) for v in t.split(",")],
+    s.add_argument("--stream-interval", type=lambda t: [_positive(v) for v in t.split(",")],
                    default=[1], help="tokens per streamed response after the first (the "
                    "stream_interval sampling key), one series per value (e.g. 1,4)")
     c = p.add_argument_group("comparison and output")

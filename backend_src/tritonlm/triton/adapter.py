@@ -92,9 +92,8 @@ class TritonPythonModel:
                 sender.send(flags=FINAL)
             else:
                 arrays = builder.on_output(out)
-                if arrays is not None:
-                    tensors = [pb_utils.Tensor(name, value) for name, value in arrays.items()]
-                    sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
+                tensors = [pb_utils.Tensor(name, value) for name, value in arrays.items()]
+                sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
 
         self.async_engine.submit(prepared, on_output, sender.is_cancelled)
 
