@@ -1,10 +1,10 @@
 """Free TCP ports for the listeners this project starts itself (a tritonserver for tests and the
 bench, the tensor-parallel rendezvous).
 
-A port the kernel hands out for a bind to port 0 comes from the ephemeral range, the same range every
-outgoing connection and every gloo pair socket draws from; between our probe and the real bind,
-loading a tensor-parallel model can take it ("Socket '0.0.0.0:N' already in use"). Ports below
-that range are only ever taken by an explicit bind, so they stay free once probed.
+A port the kernel hands out for a bind to port 0 comes from the ephemeral range, the range
+every outgoing connection and every gloo pair socket draws from; between our probe and the real
+bind, loading a tensor-parallel model can take it ("Socket '0.0.0.0:N' already in use"). Ports
+below that range are only ever taken by an explicit bind, so they stay free once probed.
 """
 import random
 import socket

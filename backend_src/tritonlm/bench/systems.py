@@ -94,9 +94,10 @@ def _server(args, model_dir: Path) -> Iterator[str]:
 @contextmanager
 def served(args, model_dir: Path, requests: list[BenchRequest], vocab_size: int
            ) -> Iterator[list[System]]:
-    """One system per --stream-interval value and --concurrency / --request-rate value. The server's prefix cache outlives
-    every run (and every bench), so each run sends the workload under new random token ids (same
-    lengths, same shared prefixes): no run finds an earlier run's prompts cached."""
+    """One system per --stream-interval value and --concurrency / --request-rate value. The
+    server's prefix cache outlives every run (and every bench), so each run sends the workload
+    under new random token ids (same lengths, same shared prefixes): no run finds an earlier run's
+    prompts cached."""
     from tritonlm.bench.serve_client import run_load
     model_dir = Path(model_dir)
     model = args.served_model or model_dir.name
