@@ -1,6 +1,7 @@
-"""bfloat16 weights packed for a CPU matmul kernel (tritonlm's AVX512-BF16 kernel, oneDNN's
-layout) compute what torch's F.linear computes on the plain weights: as close to float32 as
-F.linear itself, and the same greedy tokens and logprobs for SmolLM2."""
+"""bfloat16 weights packed for a CPU matmul kernel (tritonlm's AVX512 kernel, multiplying with
+bf16 dot products or widened float32 FMAs; oneDNN's layout) compute what torch's F.linear computes
+on the plain weights: as close to float32 as F.linear itself, and the same greedy tokens and
+logprobs for SmolLM2."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,13 +12,22 @@ from tritonlm.layers import cpu_gemm, cpu_kernels
 from tritonlm.layers.linear import ColumnParallelLinear
 
 
-def _dot_product_kernels():
+def _matmul_kernels():
     kernels = cpu_kernels.load()
     return kernels if kernels is not None and kernels.has_bf16_matmul else None
 
 
-needs_bf16_dot = pytest.mark.skipif(_dot_product_kernels() is None,
-                                    reason="this CPU has no AVX512-BF16 dot products")
+needs_bf16_matmul = pytest.mark.skipif(_matmul_kernels() is None,
+                                       reason="this CPU has no AVX512 (the kernel's registers)")
+# How the kernel multiplies: bf16 dot products where the CPU has them, widened float32 FMAs.
+MULTIPLY = ["dot", "fma"]
+
+
+def _packed(weight: torch.Tensor, multiply: str, gated: bool = False) -> cpu_gemm.PairBlockWeight:
+    kernels = _matmul_kernels()
+    if multiply == "dot" and not kernels.has_bf16_dot_products:
+        pytest.skip("this CPU has no AVX512-BF16 dot products")
+    return cpu_gemm.PairBlockWeight(weight, kernels, gated, widen=multiply == "fma")
 needs_onednn_bf16 = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                                        reason="oneDNN has no bfloat16 matmuls on this CPU")
 
@@ -29,39 +39,41 @@ def _errors(out: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
 
 # rows around the kernel's 12-row tiles and 192-row chunks; features not multiples of its
 # 32-column blocks; odd inputs (the last feature pairs with padding)
-@needs_bf16_dot
+@needs_bf16_matmul
+@pytest.mark.parametrize("multiply", MULTIPLY)
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 32, 200])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 33), (7, 1), (100, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_dot_product_matmul_as_close_as_f_linear(rows, out_features, in_features, with_bias):
+def test_packed_matmul_as_close_as_f_linear(multiply, rows, out_features, in_features, with_bias):
     torch.manual_seed(rows * 7 + in_features)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16) / in_features ** 0.5
     bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
     # rows of a wider tensor: the kernel reads them with their stride
     x = torch.randn(rows, in_features + 3, dtype=torch.bfloat16)[:, 2:2 + in_features]
     exact = x.float() @ weight.float().T + (bias.float() if with_bias else 0)
-    packed = cpu_gemm.DotProductWeight(weight, _dot_product_kernels())
+    packed = _packed(weight, multiply)
     ours_max, ours_mean = _errors(packed.matmul(x, bias), exact)
     torch_max, torch_mean = _errors(F.linear(x, weight, bias), exact)
     assert ours_max <= 2 * torch_max + 1e-6 and ours_mean <= 1.1 * torch_mean + 1e-7
     assert torch.equal(packed.dense(), weight)
 
 
-@needs_bf16_dot
+@needs_bf16_matmul
+@pytest.mark.parametrize("multiply", MULTIPLY)
 @pytest.mark.parametrize("rows", [1, 13, 200])
 @pytest.mark.parametrize("intermediate", [1536, 40, 16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gated_packing_applies_act_and_mul_as_the_separate_kernel_does(rows, intermediate,
-                                                                        with_bias):
+def test_gated_packing_applies_act_and_mul_as_the_separate_kernel_does(multiply, rows,
+                                                                        intermediate, with_bias):
     """[gate; up] packed in pairs of 16 features: the same matmul as the plain packing, and
     act(gate) * up bit for bit what the separate act_and_mul kernel makes of that output."""
     torch.manual_seed(intermediate + rows)
-    kernels = _dot_product_kernels()
+    kernels = _matmul_kernels()
     weight = torch.randn(2 * intermediate, 72, dtype=torch.bfloat16) / 8
     bias = torch.randn(2 * intermediate, dtype=torch.bfloat16) if with_bias else None
     x = torch.randn(rows, 72, dtype=torch.bfloat16)
-    plain = cpu_gemm.DotProductWeight(weight, kernels)
-    gated = cpu_gemm.DotProductWeight(weight, kernels, gated=True)
+    plain = _packed(weight, multiply)
+    gated = _packed(weight, multiply, gated=True)
     assert torch.equal(gated.dense(), weight)
     assert torch.equal(gated.matmul(x, bias), plain.matmul(x, bias))
     for code, act in ((0, F.silu), (1, lambda t: F.gelu(t, approximate="tanh"))):
@@ -73,23 +85,24 @@ def test_gated_packing_applies_act_and_mul_as_the_separate_kernel_does(rows, int
         plain.matmul(x, bias, 0)
 
 
-@needs_bf16_dot
-def test_dot_product_matmul_takes_leading_dims_and_refuses_a_foreign_weight():
+@needs_bf16_matmul
+@pytest.mark.parametrize("multiply", MULTIPLY)
+def test_packed_matmul_takes_leading_dims_and_refuses_a_foreign_weight(multiply):
     weight = torch.randn(64, 48, dtype=torch.bfloat16)
-    packed = cpu_gemm.DotProductWeight(weight, _dot_product_kernels())
+    packed = _packed(weight, multiply)
     x = torch.randn(2, 3, 48, dtype=torch.bfloat16)
     torch.testing.assert_close(packed.matmul(x, None), F.linear(x, weight), rtol=1e-2, atol=1e-2)
     with pytest.raises(RuntimeError, match="does not hold"):
-        _dot_product_kernels().bf16_matmul(x[0], packed.data, 96, None)
+        _matmul_kernels().bf16_matmul(x[0], packed.data, 96, None)
     with pytest.raises(RuntimeError, match="bfloat16"):
         packed.matmul(x.float(), None)
 
 
 @needs_onednn_bf16
-@pytest.mark.parametrize("pack", ["dot_product", "onednn"])
+@pytest.mark.parametrize("pack", ["pair_blocks", "onednn"])
 def test_prepacked_linear_equals_f_linear_and_keeps_its_dense_weight(pack):
-    if pack == "dot_product" and _dot_product_kernels() is None:
-        pytest.skip("this CPU has no AVX512-BF16 dot products")
+    if pack == "pair_blocks" and _matmul_kernels() is None:
+        pytest.skip("this CPU has no AVX512")
     torch.manual_seed(0)
     layer = ColumnParallelLinear(96, 160, bias=True).to(torch.bfloat16)
     weight = layer.weight.detach().clone()
@@ -102,6 +115,29 @@ def test_prepacked_linear_equals_f_linear_and_keeps_its_dense_weight(pack):
     torch.testing.assert_close(layer(x), expected, rtol=1e-2, atol=1e-2)
     assert torch.equal(layer.dense_weight(torch.bfloat16), weight)
     assert layer(x[:1]).shape == (1, 160)  # any row count, whatever the hint
+
+
+@needs_bf16_matmul
+def test_the_multiply_is_measured_unless_forced(monkeypatch):
+    kernels = _matmul_kernels()
+    if kernels.has_bf16_dot_products:
+        # FLOPs per second of the two instructions: within what any CPU's issue rates allow
+        assert 0.1 < kernels.bf16_dot_product_speedup() < 10
+    else:
+        assert kernels.bf16_dot_product_speedup() == 0
+        with pytest.raises(RuntimeError, match="no AVX512-BF16"):
+            kernels.bf16_matmul(torch.ones(1, 2, dtype=torch.bfloat16),
+                                torch.zeros(1, 1, 32, 2, dtype=torch.bfloat16), 32)
+    for forced, widen in (("fma", True), ("dot", not kernels.has_bf16_dot_products)):
+        cpu_gemm.widen_for_this_cpu.cache_clear()
+        monkeypatch.setenv(cpu_gemm.MULTIPLY_ENV, forced)
+        assert cpu_gemm.PairBlockWeight(torch.ones(32, 4, dtype=torch.bfloat16), kernels).widen \
+            is widen
+    cpu_gemm.widen_for_this_cpu.cache_clear()
+    monkeypatch.setenv(cpu_gemm.MULTIPLY_ENV, "amx")
+    with pytest.raises(ValueError, match="'dot' or 'fma'"):
+        cpu_gemm.widen_for_this_cpu(kernels)
+    cpu_gemm.widen_for_this_cpu.cache_clear()
 
 
 TEXT = ("The history of the city begins in the Roman era, when a small settlement grew along the "

@@ -23,8 +23,11 @@ std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits);
 void write_kv_(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& k,
                const at::Tensor& v, const at::Tensor& rows);
 at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                       bool gated, const std::optional<at::Tensor>& bias, int64_t activation);
+                       bool gated, const std::optional<at::Tensor>& bias, int64_t activation,
+                       bool widen);
+double bf16_dot_product_speedup();
 bool has_bf16_matmul();
+bool has_bf16_dot_products();
 }  // namespace tritonlm
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -67,9 +70,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_matmul", &bf16_matmul,
         "x [M, K] bfloat16 @ a weight [N, K] packed as [blocks, ceil(K/2), 32, 2] (gated: [gate; "
         "up] packed in pairs of 16 features) + bias [N] bfloat16 -> [M, N] bfloat16, or with an "
-        "activation (0 silu, 1 gelu-tanh) on a gated weight act(gate) * up [M, N / 2]; needs "
-        "AVX512-BF16 (has_bf16_matmul)",
+        "activation (0 silu, 1 gelu-tanh) on a gated weight act(gate) * up [M, N / 2]; widen: "
+        "float32 FMAs on widened weights instead of AVX512-BF16 dot products "
+        "(has_bf16_dot_products); needs AVX512 (has_bf16_matmul)",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("gated") = false,
-        py::arg("bias") = py::none(), py::arg("activation") = -1, nogil);
+        py::arg("bias") = py::none(), py::arg("activation") = -1, py::arg("widen") = false,
+        nogil);
+  m.def("bf16_dot_product_speedup", &bf16_dot_product_speedup,
+        "float32 FLOPs per second of vdpbf16ps over FMAs on one core, each measured on independent "
+        "accumulators (0 without AVX512-BF16): above 1, dot products multiply bf16 faster",
+        nogil);
   m.attr("has_bf16_matmul") = has_bf16_matmul();
+  m.attr("has_bf16_dot_products") = has_bf16_dot_products();
 }

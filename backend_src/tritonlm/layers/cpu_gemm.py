@@ -1,29 +1,51 @@
 """CPU matmuls on bfloat16 weights packed once for the kernel that runs them (F.linear on a plain
 [out, in] weight reorders it on every call, which costs as much as a small-batch matmul):
 
-- tritonlm's AVX512-BF16 kernel (csrc/bf16_matmul.cpp) on CPUs with bf16 dot products and no AMX:
-  measured here 1.8-2x oneDNN at 1-4 rows, 1.2-1.3x at 32 (decode), equal at prompt sizes;
-- oneDNN's blocked layout elsewhere: AMX tiles, which an AVX512 kernel cannot match on prompts,
-  or bf16 emulated on plain AVX512.
+- tritonlm's AVX512 kernel (csrc/bf16_matmul.cpp) on CPUs without AMX, multiplying with bf16 dot
+  products or with float32 FMAs on widened weights, whichever this CPU issues faster (Zen 4/5:
+  dot products, twice the FLOPs; Intel Xeons: FMAs, twice the FLOPs of their dot products).
+  Measured on Zen 4: 1.8-2x oneDNN at 1-4 rows, 1.2-1.3x at 32 (decode), equal at prompt sizes;
+- oneDNN's blocked layout on CPUs with AMX tiles, which an AVX512 kernel cannot match on prompts.
 
 float32 keeps F.linear (MKL), which is as fast as either.
 """
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 
 from tritonlm.layers import cpu_kernels
 
+# "dot" or "fma" forces how the kernel multiplies (benchmarks, tests); unset, it measures.
+MULTIPLY_ENV = "TRITONLM_BF16_MATMUL"
 
-class DotProductWeight:
+
+@functools.cache
+def widen_for_this_cpu(kernels) -> bool:
+    """Whether the kernel should multiply with float32 FMAs rather than bf16 dot products: the
+    way that does more FLOPs per second on this CPU, measured once per process (~10 ms)."""
+    forced = os.environ.get(MULTIPLY_ENV, "")
+    if forced not in ("", "dot", "fma"):
+        raise ValueError(f"{MULTIPLY_ENV} must be 'dot' or 'fma', got {forced!r}")
+    if forced:
+        return forced == "fma" or not kernels.has_bf16_dot_products
+    return not kernels.has_bf16_dot_products or kernels.bf16_dot_product_speedup() < 1
+
+
+class PairBlockWeight:
     """A weight [N, K] as [blocks, ceil(K/2), 32, 2]: per block of 32 output features, pairs of
-    consecutive input features (zero padded), the layout vdpbf16ps multiplies. A block holds
-    features 32j.. and 32j+16.. (16 each); of a `gated` weight ([gate; up], I features each)
-    gate features 16j.. and up features I+16j.., so the kernel can apply act(gate) * up."""
+    consecutive input features (zero padded), the layout vdpbf16ps multiplies (and the kernel's
+    FMAs widen with a shift and a mask). A block holds features 32j.. and 32j+16.. (16 each); of a
+    `gated` weight ([gate; up], I features each) gate features 16j.. and up features I+16j.., so
+    the kernel can apply act(gate) * up. `widen`: FMAs (default: this CPU's faster way)."""
     block = 32
 
-    def __init__(self, weight: torch.Tensor, kernels, gated: bool = False):
+    def __init__(self, weight: torch.Tensor, kernels, gated: bool = False,
+                 widen: bool | None = None):
         self.out_features, self.in_features = weight.shape
         self.gated, self.kernels = gated, kernels
+        self.widen = widen_for_this_cpu(kernels) if widen is None else widen
         rows = _block_rows(self.out_features, gated)
         padded = F.pad(weight.detach(), (0, self.in_features % 2, 0, 1))[rows]  # row N: zeros
         self.data = padded.view(-1, self.block, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
@@ -37,7 +59,7 @@ class DotProductWeight:
         if bias is not None:
             bias = bias.to(torch.bfloat16).contiguous()
         out = self.kernels.bf16_matmul(rows, self.data, self.out_features, self.gated, bias,
-                                       -1 if activation is None else activation)
+                                       -1 if activation is None else activation, self.widen)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def dense(self) -> torch.Tensor:
@@ -76,7 +98,7 @@ class OneDnnWeight:
         return self.data.to_dense()
 
 
-PackedWeight = DotProductWeight | OneDnnWeight
+PackedWeight = PairBlockWeight | OneDnnWeight
 
 
 def prepack(weight: torch.Tensor, batch_hint: int, gated: bool = False) -> PackedWeight | None:
@@ -87,7 +109,7 @@ def prepack(weight: torch.Tensor, batch_hint: int, gated: bool = False) -> Packe
         return None
     kernels = cpu_kernels.load()
     if kernels is not None and kernels.has_bf16_matmul and "amx_bf16" not in cpu_kernels.cpu_flags():
-        return DotProductWeight(weight, kernels, gated)
+        return PairBlockWeight(weight, kernels, gated)
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return OneDnnWeight(weight, batch_hint)
     return None
