@@ -33,7 +33,8 @@ bench: setup
 		--compare hf --roofline --rounds 3 --json bench_results/fixed.json --plot bench_results/fixed.png
 
 bench-vllm: setup setup-vllm
-	$(VENV)/bin/tritonlm-bench --compare hf vllm --rounds 3 --json bench_results/vllm.json
+	$(VENV)/bin/tritonlm-bench --compare hf vllm --compare-dtypes bfloat16 float32 --rounds 3 \
+		--json bench_results/vllm.json
 
 clean:
 	rm -rf $(VENV) .venv-vllm $(REPO)/$(MODEL)

@@ -64,6 +64,24 @@ def test_offline_with_transformers_shared_prefix_json_and_plot(smollm2_repo, tmp
     assert "TTFT cold" in printed
 
 
+def test_compared_systems_run_in_each_asked_dtype(smollm2_repo, tmp_path, capsys):
+    """Ours in the model's dtype (float32), transformers in it and in bfloat16: a run and a ratio
+    each, named by dtype where it is not ours."""
+    out = tmp_path / "dtypes.json"
+    main(["--model", str(smollm2_repo), "--num-requests", "2", "--input-len", "8",
+          "--output-len", "4", "--compare", "hf", "--compare-dtypes", "float32", "bfloat16",
+          "--json", str(out)])
+    runs = _runs(out)
+    assert sorted(runs) == ["hf generate, one at a time", "hf generate, one at a time (bfloat16)",
+                            "tritonlm offline"]
+    assert all(run["completed"] == 2 and run["output_tokens"] == 8 for run in runs.values())
+    ratios = json.loads(out.read_text())["ratios"]
+    assert ratios["hf generate, one at a time (bfloat16)"] == pytest.approx(
+        runs["tritonlm offline"]["output_tokens_per_s"]
+        / runs["hf generate, one at a time (bfloat16)"]["output_tokens_per_s"])
+    assert "tritonlm offline / hf generate, one at a time (bfloat16)" in capsys.readouterr().out
+
+
 def test_served_over_grpc_at_several_concurrencies_and_stream_intervals(smollm2_server,
                                                                        smollm2_repo, tmp_path):
     out = tmp_path / "served.json"

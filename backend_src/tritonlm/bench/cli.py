@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "stream_interval sampling key), one series per value (e.g. 1,4)")
     c = p.add_argument_group("comparison and output")
     c.add_argument("--compare", nargs="*", choices=("hf", "vllm"), default=[])
+    c.add_argument("--compare-dtypes", nargs="+", choices=DTYPES, metavar="DTYPE",
+                   help="run each compared system in each of these dtypes, to compare against "
+                        "it at its best (default: the model's dtype; e.g. bfloat16 float32)")
     c.add_argument("--hf-requests", type=int, default=8,
                    help="requests HF runs one at a time (its tokens/s is measured on these)")
     c.add_argument("--rounds", type=_positive, default=1,
@@ -148,10 +151,15 @@ def main(argv=None) -> None:
                 contenders += stack.enter_context(open_systems(args, model_dir, requests, vocab))
                 if "prefix_cache" in contenders[-1].extra:
                     prefix[mode] = contenders[-1].extra.pop("prefix_cache")
-        if "hf" in args.compare:
-            contenders += stack.enter_context(systems.hf(args, model_dir, requests, config.dtype))
-        if "vllm" in args.compare:
-            contenders += stack.enter_context(systems.vllm(model_dir, requests, config))
+        for dtype in args.compare_dtypes or [config.dtype]:
+            # named by dtype where it differs from ours
+            suffix = "" if dtype == config.dtype else f" ({dtype})"
+            if "hf" in args.compare:
+                contenders += stack.enter_context(
+                    systems.hf(args, model_dir, requests, dtype, suffix))
+            if "vllm" in args.compare:
+                contenders += stack.enter_context(
+                    systems.vllm(model_dir, requests, config, dtype, suffix))
         summaries = run_rounds(contenders, args.rounds)
     runs = median_runs(contenders, summaries)  # after the systems stop: vLLM's settings come last
 

