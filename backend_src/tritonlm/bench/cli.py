@@ -138,7 +138,10 @@ def median_runs(contenders: list[systems.System], summaries: dict[str, list[dict
 
 
 def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.compare_dtypes and not args.compare:
+        parser.error("--compare-dtypes needs --compare hf and/or vllm")
     model_dir = args.model or default_model_dir(args.dtype)
     config = EngineConfig.load(resolve_model_dir(model_dir))
     requests = build_workload(args, model_dir)
@@ -151,7 +154,7 @@ def main(argv=None) -> None:
                 contenders += stack.enter_context(open_systems(args, model_dir, requests, vocab))
                 if "prefix_cache" in contenders[-1].extra:
                     prefix[mode] = contenders[-1].extra.pop("prefix_cache")
-        for dtype in args.compare_dtypes or [config.dtype]:
+        for dtype in dict.fromkeys(args.compare_dtypes or [config.dtype]):
             # named by dtype where it differs from ours
             suffix = "" if dtype == config.dtype else f" ({dtype})"
             if "hf" in args.compare:

@@ -24,13 +24,13 @@ constexpr int64_t kBlock = 32;        // output features per packed block
 constexpr int kMaxRows = 12;          // rows per tile: 24 accumulators + the weight registers
 constexpr int64_t kChunkRows = 192;   // rows per task: a chunk of x stays in L2 across a block
 // Weight pairs (128 bytes each) prefetched ahead: 4 KB, about one memory latency of a tile's
-// reads. 1 KB (8) left 32-row matmuls 5-15% slower and the 32-row LM head ~15% slower here.
+// reads. 1 KB (8) left 32-row matmuls 5-15% slower and the 32-row LM head ~15% slower on Zen 5.
 constexpr int64_t kPrefetchPairs = 32;
 constexpr int64_t kTasksPerGrab = 4;
 
-// The two ways a tile adds x's feature pair times a block's weight pair to its accumulators. Both
-// add a pair's odd product and then its even one, each rounded once, as Intel documents
-// vdpbf16ps (bf16 products are exact in float32):
+// The two ways a tile adds x's feature pair times a block's weight pair to its accumulators
+// (bf16 products are exact in float32; WidenedFma adds a pair's odd product, then its even one,
+// each rounded once, which is how Intel documents vdpbf16ps):
 // - DotProducts: vdpbf16ps on x's bf16 pairs, 32 products an instruction;
 // - WidenedFma: each weight pair split into its float32 halves (a shift, a mask), then two FMAs
 //   per 16 products, on x widened to float32 once per matmul. Where vdpbf16ps issues at half the
@@ -78,7 +78,7 @@ template <typename X>
 struct Tile {
   const X* x;  // first row, features contiguous (an even number of them)
   int64_t x_stride;
-  const uint16_t* w;  // the block's [K/2, 32, 2]
+  const uint16_t* w;  // the block's [ceil(K/2), 32, 2]
   int64_t pairs;
   const uint16_t* bias_low;  // the low and high features' first bias values, or null
   const uint16_t* bias_high;
@@ -184,7 +184,7 @@ void run_tasks(const at::Tensor& x, const uint16_t* ws, int64_t pairs, const uin
   // Threads take kTasksPerGrab tasks at a time rather than a fixed half each: on a machine that
   // also runs the server and its clients, a thread preempted mid-matmul then costs only its own
   // share, not the other threads' wait for it. (One task per grab interleaved the threads' weight
-  // blocks and was ~8% slower here; four keep each thread's reads contiguous as a fixed half did.)
+  // blocks and was ~8% slower on Zen 5; four keep each thread's reads contiguous as a fixed half did.)
   const int64_t tasks = s.blocks * chunks;
   const int threads = region_threads(tasks);
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -204,13 +204,14 @@ double issue_rate(Step step) {
   for (int64_t it = 0; it < kIterations; ++it) {
 #pragma GCC unroll 12
     for (int i = 0; i < 12; ++i) acc[i] = step(acc[i]);
-    __asm__ volatile("" : "+v"(acc[0]));  // keeps the loop from being folded
   }
-  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+  // A volatile store of every chain's result before the clock is read again: all of the loop
+  // runs inside the timed interval (accumulators stay in registers, unlike under an asm barrier).
   __m512 sum = acc[0];
-  for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, acc[i]);  // every chain is live
+  for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, acc[i]);
   volatile float sink = _mm512_reduce_add_ps(sum);
   (void)sink;
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
   return kIterations * 12 / took.count();
 }
 
@@ -298,8 +299,8 @@ bool has_bf16_matmul() {
 #endif
 }
 bool has_bf16_dot_products() {
-#ifdef __AVX512BF16__
-  return has_bf16_matmul();
+#if defined(TRITONLM_BF16_MATMUL) && defined(__AVX512BF16__)
+  return true;
 #else
   return false;
 #endif

@@ -1,11 +1,13 @@
 """CPU matmuls on bfloat16 weights packed once for the kernel that runs them (F.linear on a plain
 [out, in] weight reorders it on every call, which costs as much as a small-batch matmul):
 
-- tritonlm's AVX512 kernel (csrc/bf16_matmul.cpp) on CPUs without AMX, multiplying with bf16 dot
-  products or with float32 FMAs on widened weights, whichever this CPU issues faster (Zen 4/5:
-  dot products, twice the FLOPs; Intel Xeons: FMAs, twice the FLOPs of their dot products).
-  Measured on Zen 4: 1.8-2x oneDNN at 1-4 rows, 1.2-1.3x at 32 (decode), equal at prompt sizes;
-- oneDNN's blocked layout on CPUs with AMX tiles, which an AVX512 kernel cannot match on prompts.
+- tritonlm's kernel (csrc/bf16_matmul.cpp) on CPUs with AVX512-BF16 and no AMX, multiplying with
+  bf16 dot products or with float32 FMAs on widened weights, whichever this CPU issues faster
+  (Zen 4/5: dot products, twice the FLOPs; Intel Xeons: FMAs, twice the FLOPs of their dot
+  products). Measured on Zen 4: 1.8-2x oneDNN at 1-4 rows, 1.2-1.3x at 32 (decode), equal at
+  prompt sizes;
+- oneDNN's blocked layout elsewhere: AMX tiles, which an AVX512 kernel cannot match on prompts,
+  bf16 emulated on plain AVX512 (not measured against our FMAs), or no built kernels.
 
 float32 keeps F.linear (MKL), which is as fast as either.
 """
@@ -24,12 +26,15 @@ MULTIPLY_ENV = "TRITONLM_BF16_MATMUL"
 @functools.cache
 def widen_for_this_cpu(kernels) -> bool:
     """Whether the kernel should multiply with float32 FMAs rather than bf16 dot products: the
-    way that does more FLOPs per second on this CPU, measured once per process (~10 ms)."""
+    way that does more FLOPs per second on this CPU, measured once per process (a few ms), or
+    the one MULTIPLY_ENV names (read once)."""
     forced = os.environ.get(MULTIPLY_ENV, "")
     if forced not in ("", "dot", "fma"):
         raise ValueError(f"{MULTIPLY_ENV} must be 'dot' or 'fma', got {forced!r}")
+    if forced == "dot" and not kernels.has_bf16_dot_products:
+        raise ValueError(f"{MULTIPLY_ENV}=dot: this CPU has no AVX512-BF16 dot products")
     if forced:
-        return forced == "fma" or not kernels.has_bf16_dot_products
+        return forced == "fma"
     return not kernels.has_bf16_dot_products or kernels.bf16_dot_product_speedup() < 1
 
 
@@ -108,7 +113,8 @@ def prepack(weight: torch.Tensor, batch_hint: int, gated: bool = False) -> Packe
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
     kernels = cpu_kernels.load()
-    if kernels is not None and kernels.has_bf16_matmul and "amx_bf16" not in cpu_kernels.cpu_flags():
+    if (kernels is not None and kernels.has_bf16_dot_products
+            and "amx_bf16" not in cpu_kernels.cpu_flags()):
         return PairBlockWeight(weight, kernels, gated)
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return OneDnnWeight(weight, batch_hint)
