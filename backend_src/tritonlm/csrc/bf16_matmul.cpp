@@ -166,9 +166,10 @@ void run_tasks(const at::Tensor& x, const uint16_t* ws, int64_t pairs, const uin
   const auto& tiles = kTiles<Mul>[activation + 1];
   const int64_t m = s.m, half = s.half, block_elems = pairs * 2 * kBlock;
   const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
-  // Tasks run block-major, so a thread's consecutive tasks reuse one block of weights.
+  // Tasks run chunk-major: a thread's consecutive tasks reuse one chunk of x from L2 while the
+  // weight blocks stream by.
   auto run_task = [&](int64_t task) {
-    const int64_t block = task / chunks, chunk = task % chunks;
+    const int64_t chunk = task / s.blocks, block = task % s.blocks;
     const int64_t row0 = chunk * kChunkRows, rows = std::min(kChunkRows, m - row0);
     const int64_t row_tiles = (rows + kMaxRows - 1) / kMaxRows;
     const int64_t per_tile = (rows + row_tiles - 1) / row_tiles;  // 32 rows: 11, 11, 10
