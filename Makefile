@@ -30,7 +30,8 @@ setup-vllm:
 
 bench: setup
 	$(VENV)/bin/tritonlm-bench --mode offline serve --concurrency 32 --stream-interval 1,4 \
-		--compare hf --roofline --rounds 3 --json bench_results/fixed.json --plot bench_results/fixed.png
+		--compare hf --compare-dtypes bfloat16 float32 --roofline --rounds 3 \
+		--json bench_results/fixed.json --plot bench_results/fixed.png
 
 bench-vllm: setup setup-vllm
 	$(VENV)/bin/tritonlm-bench --compare hf vllm --compare-dtypes bfloat16 float32 --rounds 3 \
