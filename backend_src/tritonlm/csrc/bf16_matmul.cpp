@@ -22,7 +22,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;        // output features per packed block
 constexpr int kMaxRows = 12;          // rows per tile: 24 accumulators + the weight registers
-constexpr int64_t kChunkRows = 192;   // rows per task: a chunk of x stays in L2 across a block
+constexpr int64_t kChunkRows = 192;   // rows per task: a chunk of x stays in L2 across blocks
 // Weight pairs (128 bytes each) prefetched ahead: 4 KB, about one memory latency of a tile's
 // reads. 1 KB (8) left 32-row matmuls 5-15% slower and the 32-row LM head ~15% slower on Zen 5.
 constexpr int64_t kPrefetchPairs = 32;
@@ -196,7 +196,8 @@ void run_tasks(const at::Tensor& x, const uint16_t* ws, int64_t pairs, const uin
   // Threads take kTasksPerGrab tasks at a time rather than a fixed half each: on a machine that
   // also runs the server and its clients, a thread preempted mid-matmul then costs only its own
   // share, not the other threads' wait for it. (One task per grab interleaved the threads' weight
-  // blocks and was ~8% slower on Zen 5; four keep each thread's reads contiguous as a fixed half did.)
+  // blocks and was ~8% slower on Zen 5; four keep each thread's reads contiguous as a fixed half
+  // did.)
   const int64_t tasks = s.blocks * chunks;
   const int threads = region_threads(tasks);
 #pragma omp parallel num_threads(threads) if (threads > 1)
