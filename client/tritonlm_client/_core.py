@@ -8,10 +8,16 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
                 "return_token_ids")
 
-# Triton datatype of every request field this client sends (see shared/design/triton-io.md).
+# Every return flag of the contract (the clients above ask for the first four; the HTTP front end
+# for all of them).
+ALL_RETURN_FLAGS = (*RETURN_FLAGS, "return_logprobs", "return_cumulative_logprob",
+                    "return_stop_reason")
+
+# Triton datatype of every request field a client sends (see shared/design/triton-io.md).
 FIELD_TYPES = {"text_input": "BYTES", "input_ids": "INT64", "messages": "BYTES", "stream": "BOOL",
-               "add_generation_prompt": "BOOL",
-               "sampling_parameters": "BYTES", **{flag: "BOOL" for flag in RETURN_FLAGS}}
+               "add_generation_prompt": "BOOL", "chat_template_kwargs": "BYTES",
+               "exclude_input_in_output": "BOOL", "sampling_parameters": "BYTES",
+               **{flag: "BOOL" for flag in ALL_RETURN_FLAGS}}
 
 
 class TritonLMError(RuntimeError):

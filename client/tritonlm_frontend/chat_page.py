@@ -1,0 +1,4 @@
+"""The chat page (placeholder until written)."""
+from fastapi import APIRouter
+
+router = APIRouter()

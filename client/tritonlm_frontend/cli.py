@@ -1,0 +1,45 @@
+"""`tritonlm-frontend`: the OpenAI and TGI HTTP APIs and a chat page in front of a running
+tritonserver that serves tritonlm models."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from .app import FrontendSettings, create_app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tritonlm-frontend", description=__doc__.splitlines()[0])
+    parser.add_argument("--triton-url", default="localhost:8001",
+                        help="tritonserver's gRPC endpoint (default localhost:8001)")
+    parser.add_argument("--triton-metrics-url", default=None,
+                        help="tritonserver's metrics URL, appended to /metrics (default: the "
+                             "--triton-url host, port 8002)")
+    parser.add_argument("--model-repository", type=Path,
+                        help="the served repository, read for tokenizers (/tokenize)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--log-level", default="info")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    metrics_url = args.triton_metrics_url
+    if metrics_url is None:
+        metrics_url = f"http://{args.triton_url.rsplit(':', 1)[0]}:8002/metrics"
+    app = create_app(FrontendSettings(args.triton_url, metrics_url, args.model_repository))
+    # One worker: its event loop multiplexes every request; the engine does the heavy work.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                access_log=False, timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

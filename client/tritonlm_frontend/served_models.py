@@ -1,0 +1,99 @@
+"""The models the front end serves: names from Triton's repository index, metadata from each
+model's config.pbtxt parameters, and, where the front end can read the model repository, the
+tokenizer (for /tokenize) and the model's sampling defaults (shown by /info and the chat page)."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from .errors import APIError
+from .triton_gateway import TritonGateway
+
+logger = logging.getLogger("tritonlm.frontend")
+WEIGHTS_DIR = "weights"
+# The sampling keys a model's generation_config.json sets for the requests that leave them unset
+# (the engine applies them; the front end only shows them).
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass
+class ServedModel:
+    name: str
+    parameters: dict[str, str]
+    created: int
+    tokenizer: Tokenizer | None = None
+    sampling_defaults: dict = field(default_factory=dict)
+    special_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def max_model_len(self) -> int | None:
+        value = self.parameters.get("max_model_len")
+        return int(value) if value and value.isdigit() else None
+
+    def require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise APIError(501, f"the front end cannot read model {self.name!r}'s tokenizer: start "
+                           "it with --model-repository pointing at the served repository")
+        return self.tokenizer
+
+
+def _version_dir(model_dir: Path) -> Path | None:
+    versions = [p for p in model_dir.glob("*") if p.name.isdigit() and (p / WEIGHTS_DIR).is_dir()]
+    return max(versions, key=lambda p: int(p.name)) if versions else None
+
+
+def _read_files(model: ServedModel, repository: Path) -> None:
+    version = _version_dir(repository / model.name)
+    if version is None:
+        logger.warning("model %s: no %s/ under %s; /tokenize is unavailable for it", model.name,
+                       WEIGHTS_DIR, repository / model.name)
+        return
+    weights = version / WEIGHTS_DIR
+    if (weights / "tokenizer.json").is_file():
+        model.tokenizer = Tokenizer.from_file(str(weights / "tokenizer.json"))
+        model.special_token_ids = frozenset(
+            token_id for token_id, token in model.tokenizer.get_added_tokens_decoder().items()
+            if token.special)
+    generation = weights / "generation_config.json"
+    if generation.is_file():
+        values = json.loads(generation.read_text())
+        model.sampling_defaults = {k: values[k] for k in SAMPLING_DEFAULT_KEYS if k in values}
+
+
+class ModelCatalog:
+    """Served models by name; a name Triton does not serve is a 404."""
+
+    def __init__(self, gateway: TritonGateway, repository: Path | None = None):
+        self.gateway = gateway
+        self.repository = repository
+        self.models: dict[str, ServedModel] = {}
+
+    async def refresh(self) -> None:
+        names = await self.gateway.model_names()
+        models = {}
+        for name in names:
+            model = self.models.get(name)
+            if model is None:
+                model = ServedModel(name, await self.gateway.model_parameters(name), int(time.time()))
+                if self.repository is not None:
+                    _read_files(model, self.repository)
+            models[name] = model
+        self.models = models
+
+    async def get(self, name: str | None) -> ServedModel:
+        """The model named `name` (None: the only, or first, served model)."""
+        if name not in self.models or not self.models:
+            await self.refresh()  # a model may have been loaded since
+        if name is None:
+            if not self.models:
+                raise APIError(503, "tritonserver serves no model yet")
+            return next(iter(self.models.values()))
+        if name not in self.models:
+            served = ", ".join(self.models) or "none"
+            raise APIError(404, f"The model `{name}` does not exist (served: {served}).", "model")
+        return self.models[name]

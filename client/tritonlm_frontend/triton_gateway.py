@@ -1,0 +1,176 @@
+"""The front end's only way to the engine: tritonserver's gRPC API through tritonclient's asyncio
+client. One ModelStreamInfer call per request, so closing a request's iterator (its HTTP client
+went away) cancels that call alone and Triton stops the request and frees its KV blocks."""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import tritonclient.grpc.aio as grpcclient
+from tritonclient.grpc import InferInput
+from tritonclient.utils import InferenceServerException
+
+from tritonlm_client.grpc_client import field_array
+from tritonlm_client._core import FIELD_TYPES
+
+from .errors import APIError, from_triton_message
+
+
+@dataclass
+class GenerateRequest:
+    """One generation in the Triton contract's terms (shared/design/triton-io.md)."""
+    model: str
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    stream: bool = True
+    echo: bool = False  # the prompt's text before the first response's text
+    logprobs: bool = False  # per generated token (sampling "logprobs" sets how many alternatives)
+
+    def fields(self) -> dict[str, Any]:
+        if self.messages is not None:
+            fields: dict[str, Any] = {"messages": json.dumps(self.messages),
+                                      "add_generation_prompt": self.add_generation_prompt}
+            if self.chat_template_kwargs:
+                fields["chat_template_kwargs"] = json.dumps(self.chat_template_kwargs)
+        elif isinstance(self.prompt, str):
+            fields = {"text_input": self.prompt}
+        else:
+            fields = {"input_ids": list(self.prompt or [])}
+        fields.update(stream=self.stream, sampling_parameters=json.dumps(self.sampling),
+                      exclude_input_in_output=not self.echo, return_finish_reason=True,
+                      return_stop_reason=True, return_num_input_tokens=True,
+                      return_num_output_tokens=True, return_token_ids=True,
+                      return_cumulative_logprob=True, return_logprobs=self.logprobs)
+        return fields
+
+
+@dataclass
+class SequenceDelta:
+    """What one response added to one of the request's sequences."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict]  # one per token when logprobs were asked for
+    finish_reason: str | None  # "stop", "length" or "abort" on the sequence's last response
+    stop_reason: str | int | None  # the stop string or stop token id; None for EOS
+    cumulative_logprob: float | None
+
+
+@dataclass
+class GenerateChunk:
+    sequences: list[SequenceDelta]
+    num_input_tokens: int | None
+    prompt_logprobs: list[dict | None] | None
+    final: bool
+
+
+def _strings(result, name: str) -> list[str]:
+    array = result.as_numpy(name)
+    if array is None:
+        return []
+    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in array.reshape(-1)]
+
+
+def _numbers(result, name: str) -> list:
+    array = result.as_numpy(name)
+    return [] if array is None else array.reshape(-1).tolist()
+
+
+def parse_response(result) -> GenerateChunk:
+    """One Triton response (a tritonclient InferResult) as a GenerateChunk."""
+    texts = _strings(result, "text_output")
+    counts = _numbers(result, "num_output_tokens") or [0] * len(texts)
+    reasons = _strings(result, "finish_reason")
+    stop_reasons = [json.loads(r) for r in _strings(result, "stop_reason")]
+    cumulative = _numbers(result, "cumulative_logprob")
+    token_ids = _numbers(result, "token_ids")
+    logprobs = [json.loads(e) for e in _strings(result, "logprobs")]
+    prompt_logprobs = [json.loads(e) for e in _strings(result, "prompt_logprobs")]
+    sequences, start = [], 0
+    for index, text in enumerate(texts):
+        end = start + int(counts[index])
+        sequences.append(SequenceDelta(
+            index, text, token_ids[start:end], logprobs[start:end] if logprobs else [],
+            (reasons[index] or None) if index < len(reasons) else None,
+            stop_reasons[index] if index < len(stop_reasons) else None,
+            cumulative[index] if index < len(cumulative) else None))
+        start = end
+    num_input = _numbers(result, "num_input_tokens")
+    params = result.get_response().parameters
+    final = "triton_final_response" in params and params["triton_final_response"].bool_param
+    return GenerateChunk(sequences, int(num_input[0]) if num_input else None,
+                         prompt_logprobs or None, final)
+
+
+def _infer_inputs(fields: dict[str, Any]) -> list[InferInput]:
+    inputs = []
+    for name, value in fields.items():
+        array = field_array(name, value)
+        tensor = InferInput(name, list(array.shape), FIELD_TYPES[name])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+class TritonGateway:
+    """tritonserver at `url` ("host:port", its gRPC endpoint); shared by every route."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.client = grpcclient.InferenceServerClient(url)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """The request's responses until its final one. Raises APIError for a rejected or failed
+        request; closing the iterator early cancels the request in Triton."""
+        inputs = _infer_inputs(request.fields())
+
+        async def one_request():
+            yield {"model_name": request.model, "inputs": inputs,
+                   "parameters": {"triton_enable_empty_final_response": True}}
+
+        responses = self.client.stream_infer(one_request())
+        finished = False
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    finished = True
+                    raise from_triton_message(error.message())
+                chunk = parse_response(result)
+                finished = chunk.final
+                yield chunk
+                if finished:
+                    return
+            finished = True
+            raise APIError(502, "tritonserver ended the stream before the request's last response")
+        except InferenceServerException as exc:
+            finished = True
+            raise from_triton_message(exc.message()) from None
+        finally:
+            if not finished:
+                responses.cancel()
+
+    async def model_names(self) -> list[str]:
+        """The names of the models Triton's repository index reports ready."""
+        index = await self.client.get_model_repository_index(as_json=True)
+        return [m["name"] for m in index.get("models", []) if m.get("state") == "READY"]
+
+    async def model_parameters(self, model: str) -> dict[str, str]:
+        """The `parameters` of a model's config.pbtxt (architecture, max_model_len, dtype...)."""
+        config = await self.client.get_model_config(model, as_json=True)
+        params = config.get("config", {}).get("parameters", {})
+        return {key: value.get("string_value", "") for key, value in params.items()}
+
+    async def is_ready(self) -> bool:
+        try:
+            return await self.client.is_server_ready()
+        except InferenceServerException:
+            return False
+
+    async def close(self) -> None:
+        await self.client.close()
+
