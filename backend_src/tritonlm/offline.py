@@ -13,6 +13,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # finish_reason "stop": stop string or token id; None: EOS
     cumulative_logprob: float = 0.0
     logprobs: list[dict] | None = None  # per token, when SamplingParams.logprobs is set
 
@@ -20,6 +21,7 @@ class Choice:
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.finish_reason = delta.finish_reason
+        self.stop_reason = delta.stop_reason
         self.cumulative_logprob = delta.cumulative_logprob
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
@@ -30,6 +32,7 @@ class CompletionOutput(Choice):
     """A request's result: its first sequence's fields, and all n sequences in `choices`."""
     prompt_token_ids: list[int] = field(default_factory=list)
     choices: list[Choice] = field(default_factory=list)
+    prompt_logprobs: list[dict] | None = None  # per prompt token, when SamplingParams asked
 
 
 class LLM:
@@ -52,11 +55,13 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[CompletionOutput]:
-        """Generate for a prompt or a list of prompts (text or token-id lists), in input order."""
+        """Generate for a prompt or a list of prompts (text or token-id lists), in input order.
+        Without params, the model's sampling defaults (generation_config.json) apply."""
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
         if not isinstance(params, list):
-            params = [params or SamplingParams()] * len(prompts)
+            params = [params or SamplingParams.from_dict(self.engine.sampling_defaults)
+                      ] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         results = {}
@@ -70,6 +75,8 @@ class LLM:
         while self.engine.has_unfinished:
             for out in self.engine.step():
                 result = results[out.request_id]
+                if out.prompt_logprobs is not None:
+                    result.prompt_logprobs = out.prompt_logprobs
                 for delta in out.sequences:
                     result.choices[delta.index].extend(delta)
                 result.extend(out.sequences[0])

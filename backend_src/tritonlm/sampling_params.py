@@ -33,6 +33,9 @@ class SamplingParams:
     n: int = 1  # sequences returned
     best_of: int | None = None  # sequences generated, the n with the best cumulative logprob kept
     stream_interval: int | None = None  # new tokens per streamed output, at least the engine's
+    prompt_logprobs: int | None = None  # top alternatives to report per prompt token
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -40,8 +43,11 @@ class SamplingParams:
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         self.bad_words = list(self.bad_words)
+        if self.logit_bias is None:
+            self.logit_bias = {}
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name))
+        self.logit_bias = _token_biases(self.logit_bias)
         if self.max_tokens is not None and self.max_tokens < 1:
             _bad("max_tokens", self.max_tokens, "must be >= 1")
         if self.min_tokens < 0:
@@ -65,6 +71,10 @@ class SamplingParams:
                 _bad(name, getattr(self, name), "must be in [-2, 2]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             _bad("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            _bad("prompt_logprobs", self.prompt_logprobs, f"must be in [0, {MAX_LOGPROBS}]")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            _bad("truncate_prompt_tokens", self.truncate_prompt_tokens, "must be >= 1")
         if not 1 <= self.n <= MAX_SEQUENCES:
             _bad("n", self.n, f"must be in [1, {MAX_SEQUENCES}]")
         if self.best_of is not None and not self.n <= self.best_of <= MAX_SEQUENCES:
@@ -106,6 +116,8 @@ _FIELD_TYPES = {
     "repetition_penalty": (int, float), "presence_penalty": (int, float),
     "frequency_penalty": (int, float), "logprobs": (int, type(None)), "n": int,
     "best_of": (int, type(None)), "stream_interval": (int, type(None)),
+    "prompt_logprobs": (int, type(None)), "logit_bias": dict,
+    "truncate_prompt_tokens": (int, type(None)),
     "seed": (int, type(None)), "stop": list,
     "stop_token_ids": list, "bad_words": list, "include_stop_str_in_output": bool, "ignore_eos": bool,
     "skip_special_tokens": bool,
@@ -121,6 +133,29 @@ def _check_type(name: str, value) -> None:
     element = _ELEMENT_TYPES.get(name)
     if element and any(isinstance(v, bool) or not isinstance(v, element) for v in value):
         _bad(name, value, f"must be a list of {element.__name__}")
+
+
+def _token_biases(bias: dict) -> dict[int, float]:
+    """OpenAI's logit_bias ({"token id": bias}, keys strings or ints) as {int: float}."""
+    out = {}
+    for key, value in bias.items():
+        token = _token_id(key)
+        if token is None:
+            _bad("logit_bias", key, "keys must be token ids")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not (math.isfinite(value) and -100 <= value <= 100):
+            _bad(f"logit_bias[{key!r}]", value, "must be a number in [-100, 100]")
+        out[token] = float(value)
+    return out
+
+
+def _token_id(key) -> int | None:
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    try:
+        return int(key) if isinstance(key, str) else None
+    except ValueError:
+        return None
 
 
 def _bad(name: str, value, why: str):

@@ -17,6 +17,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(prompt_token_ids)
         self.text = ""
         self.num_emitted_chars = 0
+        self.matched_stop: str | None = None  # the stop string that ended the text
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -46,6 +47,7 @@ class IncrementalDetokenizer:
             return False
         index, stop = best
         self.text = self.text[:index + len(stop) if self.include_stop else index]
+        self.matched_stop = stop
         return True
 
     def _held_back(self) -> int:

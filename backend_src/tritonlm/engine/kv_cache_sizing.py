@@ -9,11 +9,11 @@ from tritonlm.sampling_params import MAX_LOGPROBS, SamplingParams
 GIB = 1 << 30
 
 # The costliest sampling a row can ask for: truncation (sorts over the vocabulary), penalties
-# (per-sequence token counts) and the most logprobs.
+# (per-sequence token counts), a logit bias and the most logprobs (prompt logprobs too).
 _PROFILE_SAMPLING = SamplingRow(
     SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, typical_p=0.95,
                    repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1,
-                   logprobs=MAX_LOGPROBS),
+                   logprobs=MAX_LOGPROBS, prompt_logprobs=MAX_LOGPROBS, logit_bias={0: 1.0}),
     seed=0, output_index=0, banned=())
 
 
@@ -43,8 +43,9 @@ def profile_steps(max_num_batched_tokens: int, max_model_len: int, max_num_seqs:
                   block_size: int, encoder_decoder: bool = False) -> tuple[list[StepPlan], int]:
     """The two largest steps the scheduler can plan, and the KV blocks they need: a prefill of
     max_num_batched_tokens tokens (prompts of at most max_model_len), then a decode of as many
-    sequences as may run at once; every row samples with the costliest settings. Encoder-decoder
-    rows encode their prompt too (their cross-attention K/V take blocks of their own)."""
+    sequences as may run at once; every row samples with the costliest settings, and prompts
+    compute prompt logprobs. Encoder-decoder rows encode their prompt too (their cross-attention
+    K/V take blocks of their own)."""
     lengths = [min(max_model_len, max_num_batched_tokens - start)
                for start in range(0, max_num_batched_tokens, max_model_len)][:max_num_seqs]
     decodes = min(max_num_seqs, max_num_batched_tokens)
@@ -62,9 +63,11 @@ def profile_steps(max_num_batched_tokens: int, max_model_len: int, max_num_seqs:
         if encoder_decoder:
             cross = {"encoder_token_ids": None if decode else [0] * length,
                      "encoder_len": length, "cross_block_table": take(blocks)}
+        prompt_logprobs = {} if decode or encoder_decoder else {
+            "prompt_targets": [0] * (length - 1), "num_prompt_logprobs": MAX_LOGPROBS}
         return ScheduledChunk(seq_id, [0] * (1 if decode else length), length if decode else 0,
                               take(blocks), _PROFILE_SAMPLING, length, True,
-                              history=[0] * length if decode else [], **cross)
+                              history=[0] * length if decode else [], **cross, **prompt_logprobs)
 
     prefill = StepPlan([chunk(i, n, False) for i, n in enumerate(lengths)])
     decode = StepPlan([chunk(len(lengths) + i, 1, True) for i in range(decodes)],

@@ -1,7 +1,6 @@
 """The step loop: the scheduler picks sequences, the model runner runs them, the outputs go back."""
 import dataclasses
 import itertools
-import json
 import logging
 import random
 import time
@@ -13,6 +12,7 @@ from transformers import AutoTokenizer
 from tritonlm.config import WEIGHTS_DIR, EngineConfig
 from tritonlm.engine.block_manager import BlockManager
 from tritonlm.engine.detokenizer import IncrementalDetokenizer
+from tritonlm.engine.generation_config import read_generation_config, sampling_defaults
 from tritonlm.distributed.ranks import RankGroup
 from tritonlm.engine.model_runner import ModelRunner, resolve_device
 from tritonlm.engine.request_builder import Request, RequestBuilder
@@ -71,9 +71,17 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching
                                           and kv_depends_only_on_prefix(self.hf_config))
+        generation_config = read_generation_config(weights_dir)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens,
-                                   self._eos_token_ids(weights_dir))
+                                   self._eos_token_ids(generation_config))
+        # The model's recommended sampling keys, for requests that leave them unset.
+        self.sampling_defaults = sampling_defaults(generation_config)
+        if self.sampling_defaults:
+            logger.info("sampling defaults from generation_config.json: %s",
+                        self.sampling_defaults)
+        self.special_token_ids = frozenset(self.tokenizer.all_special_ids) | {
+            i for i, token in self.tokenizer.added_tokens_decoder.items() if token.special}
         self.vocab_size = self.hf_config.vocab_size
         self.request_builder = RequestBuilder(
             self.tokenizer, self.vocab_size, self.max_model_len, self.block_manager,
@@ -86,22 +94,21 @@ class LLMEngine:
         self._warn_cache_full = RateLimitedWarning()
         self._reported_prefix_cache = (0, 0)  # (queries, hits) already sent to observers
 
-    def _eos_token_ids(self, weights_dir: Path) -> frozenset[int]:
+    def _eos_token_ids(self, generation_config: dict) -> frozenset[int]:
         ids = set()
-        generation_config = weights_dir / "generation_config.json"
-        sources = [getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id]
-        if generation_config.exists():
-            sources.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+        sources = [getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id,
+                   generation_config.get("eos_token_id")]
         for value in sources:
             ids.update(value if isinstance(value, list) else [value] if value is not None else [])
         return frozenset(ids)
 
     def make_request(self, request_id: str, prompt: str | list[int] | None = None,
                      params: SamplingParams | None = None, messages: list[dict] | None = None,
-                     add_generation_prompt: bool = True) -> Request:
+                     add_generation_prompt: bool = True,
+                     chat_template_kwargs: dict | None = None) -> Request:
         """Validate and tokenize; raises InvalidRequestError. Safe to call from any thread."""
         return self.request_builder.build(request_id, prompt, params, messages,
-                                          add_generation_prompt)
+                                          add_generation_prompt, chat_template_kwargs)
 
     def add(self, request: Request) -> None:
         """Queue a prepared request; it joins the running batch at the next step."""
@@ -122,7 +129,7 @@ class LLMEngine:
             return IncrementalDetokenizer(self._decoder, prompt,
                                           p.skip_special_tokens, p.stop,
                                           p.include_stop_str_in_output)
-        state = RequestState(seq, make_detokenizer, self._logprob_entry,
+        state = RequestState(seq, make_detokenizer, self._logprob_entries,
                              RequestTimeline(request.arrival), request.trace_parent,
                              max(p.stream_interval or 1, self.config.stream_interval)
                              if request.stream else None)
@@ -172,13 +179,14 @@ class LLMEngine:
         for chunk in plan.chunks:
             timeline = self._seq_requests[chunk.seq_id].timeline
             timeline.scheduled = timeline.scheduled or start
-        sampled = self.runner.execute(plan)
+        result = self.runner.execute(plan)
         advanced: dict[str, RequestState] = {}
-        for seq in self.scheduler.update(plan, sampled):
+        for seq in self.scheduler.update(plan, result.sampled, result.prompt_logprobs):
             state = advanced.setdefault(seq.request_id, self._requests[seq.request_id])
             state.timeline.first_token = state.timeline.first_token or time.time()
-            if state.on_new_token(seq):
-                self.scheduler.finish(seq, FinishReason.STOP)
+            stop = state.on_new_token(seq)
+            if stop is not None:
+                self.scheduler.finish(seq, FinishReason.STOP, stop)
             if state.needs_fork and seq.num_output_tokens == 1:
                 self._fork(state, seq)
         outputs = []
@@ -242,12 +250,17 @@ class LLMEngine:
         for observer in self.observers:
             observer.on_request_finished(finished)
 
-    def _logprob_entry(self, sampled: SampledToken) -> dict:
+    def _logprob_entries(self, sampled: list[SampledToken]) -> list[dict]:
+        """Logprob entries (token id, its text alone, logprob, whether it is a special token,
+        and the top alternatives alike) for tokens; their texts are decoded in one batch."""
+        ids = [t for s in sampled for t in (s.token, *(t for t, _ in s.top))]
+        texts = iter(self._decoder.decode_batch([[t] for t in ids], skip_special_tokens=False))
+
         def token(token_id: int, logprob: float) -> dict:
-            return {"token_id": token_id, "token": self._decoder.decode([token_id], False),
-                    "logprob": logprob}
-        return {**token(sampled.token, sampled.logprob),
-                "top_logprobs": [token(t, lp) for t, lp in sampled.top]}
+            return {"token_id": token_id, "token": next(texts), "logprob": logprob,
+                    "special": token_id in self.special_token_ids}
+        return [{**token(s.token, s.logprob), "top_logprobs": [token(t, lp) for t, lp in s.top]}
+                for s in sampled]
 
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's sequences

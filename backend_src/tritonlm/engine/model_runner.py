@@ -2,6 +2,7 @@
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tritonlm.config import WEIGHTS_DIR, EngineConfig
@@ -10,7 +11,7 @@ from tritonlm.distributed.ranks import RankGroup, join_process_group
 from tritonlm.engine.decode_graphs import DecodeGraphs
 from tritonlm.engine.kv_cache_sizing import cuda_kv_cache_budget, profile_steps
 from tritonlm.engine.step_inputs import StepInputBuilder
-from tritonlm.engine.step_plan import SampledToken, StepPlan
+from tritonlm.engine.step_plan import SampledToken, StepPlan, StepResult
 from tritonlm.layers import cpu_kernels, triton_paged_attention, triton_support
 from tritonlm.layers.attention import (PagedAttention, PagedKernels, cache_block_shape,
                                        flash_attention_usable)
@@ -164,6 +165,7 @@ class ModelRunner:
                 hidden, sample_index = self._forward(plan)
                 if self.is_driver:
                     self._sample(plan, hidden, sample_index)
+                    self._prompt_logprobs(plan, hidden)
         finally:
             self.token_counts.release([c.seq_id for plan in steps for c in plan.chunks])
             self._use_kv_cache(previous)
@@ -183,8 +185,9 @@ class ModelRunner:
                                     self.config.gpu_memory_utilization)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> dict[int, SampledToken]:
-        """Run one step; returns seq_id -> sampled token for the chunks that sample."""
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step; the sampled tokens of the chunks that sample and the prompt logprobs
+        of those that ask (on the driver; other ranks return an empty result)."""
         if self.ranks is None:
             hidden, sample_index = self._forward(plan)
         else:
@@ -193,7 +196,10 @@ class ModelRunner:
                 hidden, sample_index = self._forward(plan)
             except Exception as exc:  # the ranks' collectives are out of step: nothing can go on
                 raise self.ranks.failure("a tensor-parallel step failed", exc) from exc
-        return self._sample(plan, hidden, sample_index) if self.is_driver else {}
+        if not self.is_driver:
+            return StepResult()
+        return StepResult(self._sample(plan, hidden, sample_index),
+                          self._prompt_logprobs(plan, hidden))
 
     def _forward(self, plan: StepPlan):
         if self.is_driver:
@@ -225,6 +231,41 @@ class ModelRunner:
             results[chunk.seq_id] = SampledToken(tokens[i], logprobs[i], top)
         return results
 
+    def _prompt_logprobs(self, plan: StepPlan,
+                         hidden: torch.Tensor) -> dict[int, list[SampledToken]]:
+        """For chunks with prompt_targets: each target's logprob under the logits of the token
+        before it, and the top alternatives. Only these rows go through the LM head."""
+        asking = [i for i, c in enumerate(plan.chunks) if c.prompt_targets]
+        if not asking:
+            return {}
+        chunks = [plan.chunks[i] for i in asking]
+        lens = np.array([len(c.token_ids) for c in plan.chunks], dtype=np.int64)
+        counts = np.array([len(c.prompt_targets) for c in chunks], dtype=np.int64)
+        first = (np.cumsum(lens) - lens)[asking]  # each chunk's first row of `hidden`
+        rows = np.repeat(first - (np.cumsum(counts) - counts), counts) + np.arange(counts.sum())
+        rows = torch.from_numpy(rows).to(self.device)
+        targets = torch.tensor([t for c in chunks for t in c.prompt_targets], device=self.device)
+        k = max(c.num_prompt_logprobs for c in chunks)
+        chosen, top_ids, top_logprobs = [], [], []
+        for start in range(0, len(rows), _PROMPT_LOGPROB_ROWS):  # bounds the [rows, vocab] logits
+            part = slice(start, start + _PROMPT_LOGPROB_ROWS)
+            logprobs = torch.log_softmax(
+                self.model.compute_logits(hidden[rows[part]]).float(), dim=-1)
+            chosen.append(logprobs.gather(-1, targets[part, None]).squeeze(-1))
+            values, ids = logprobs.topk(k, dim=-1)
+            top_ids.append(ids)
+            top_logprobs.append(values)
+        chosen = torch.cat(chosen).tolist()
+        top_ids, top_logprobs = torch.cat(top_ids).tolist(), torch.cat(top_logprobs).tolist()
+        results, row = {}, 0
+        for chunk in chunks:
+            n = chunk.num_prompt_logprobs
+            results[chunk.seq_id] = [
+                SampledToken(token, chosen[r], list(zip(top_ids[r][:n], top_logprobs[r][:n])))
+                for r, token in enumerate(chunk.prompt_targets, row)]
+            row += len(chunk.prompt_targets)
+        return results
+
     def _sampling_tensors(self, chunks) -> SamplingTensors:
         rows = [c.sampling for c in chunks]
         values = {name: torch.tensor([getattr(r.params, name) for r in rows], dtype=torch.float32)
@@ -243,12 +284,24 @@ class ModelRunner:
                                      dtype=torch.int64, device=self.device),
             banned_tokens=torch.tensor([t for r in rows for t in r.banned], dtype=torch.int64,
                                        device=self.device),
+            **self._bias_tensors(rows),
             all_greedy=bool((values["temperature"] == 0).all()),
             needs_truncation=bool(truncating.any()))
         if any(c.track_tokens for c in chunks):
             tensors.seen, tensors.output_counts = self.token_counts.history(
                 [c.seq_id for c in chunks])
         return tensors
+
+    def _bias_tensors(self, rows) -> dict:
+        """logit_bias as (row, token, value) index tensors; none when no row has a bias."""
+        if not any(r.params.logit_bias for r in rows):
+            return {}
+        entries = [(i, token, value) for i, r in enumerate(rows)
+                   for token, value in r.params.logit_bias.items()]
+        row_ids, tokens, values = zip(*entries)
+        return {"bias_rows": torch.tensor(row_ids, dtype=torch.int64, device=self.device),
+                "bias_tokens": torch.tensor(tokens, dtype=torch.int64, device=self.device),
+                "bias_values": torch.tensor(values, dtype=torch.float32, device=self.device)}
 
 
 def load_runner(model_dir: str, rank: int, world_size: int, init_method: str,
@@ -271,5 +324,6 @@ def _attention_specs(layers: list[PagedAttention]) -> list[AttentionSpec]:
     return specs
 
 
+_PROMPT_LOGPROB_ROWS = 256  # prompt positions per LM-head pass for prompt logprobs
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty",
                  "presence_penalty", "frequency_penalty")

@@ -3,6 +3,8 @@ validated, tokenized Request; every problem is an InvalidRequestError for that r
 import time
 from dataclasses import dataclass, field
 
+import jinja2
+
 from tritonlm.engine.block_manager import BlockManager
 from tritonlm.errors import InvalidRequestError
 from tritonlm.sampling_params import SamplingParams
@@ -34,12 +36,16 @@ class RequestBuilder:
 
     def build(self, request_id: str, prompt: str | list[int] | None = None,
               params: SamplingParams | None = None, messages: list[dict] | None = None,
-              add_generation_prompt: bool = True) -> Request:
+              add_generation_prompt: bool = True,
+              chat_template_kwargs: dict | None = None) -> Request:
         params = params or SamplingParams()
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("give exactly one of a prompt (text or token ids) or messages")
+        if params.prompt_logprobs is not None and self.encoder_decoder:
+            raise InvalidRequestError("prompt_logprobs is not supported for encoder-decoder "
+                                      "models: their prompt is encoded, not predicted")
         if messages is not None:
-            prompt = self.render_chat(messages, add_generation_prompt)
+            prompt = self.render_chat(messages, add_generation_prompt, chat_template_kwargs)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
@@ -52,7 +58,11 @@ class RequestBuilder:
             self._check_vocabulary("input_ids", token_ids)
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
+        if params.truncate_prompt_tokens is not None and \
+                len(token_ids) > params.truncate_prompt_tokens:
+            token_ids, text = token_ids[-params.truncate_prompt_tokens:], None
         self._check_vocabulary("stop_token_ids", params.stop_token_ids)
+        self._check_vocabulary("logit_bias", list(params.logit_bias))
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
@@ -77,13 +87,31 @@ class RequestBuilder:
                     for word in words for text in (word, " " + word.lstrip())}
         return [list(v) for v in variants if v]
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The model's own chat template applied to `messages`."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict | None = None) -> str:
+        """The model's own chat template applied to `messages`; `chat_template_kwargs`: extra
+        variables for the template (e.g. {"enable_thinking": false})."""
         if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), str) for m in messages) or not messages:
             raise InvalidRequestError("messages must be a non-empty list of {role, content} objects")
+        kwargs = chat_template_kwargs or {}
+        if not isinstance(kwargs, dict):
+            raise InvalidRequestError(f"chat_template_kwargs must be a JSON object, got {kwargs!r}")
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}")
         if not self.tokenizer.chat_template:
             raise InvalidRequestError("this model has no chat template; send text_input instead")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+        except (jinja2.TemplateError, ValueError) as exc:
+            raise InvalidRequestError(f"the chat template failed: {exc}") from None
+
+
+# apply_chat_template's own arguments that would change what it returns or which template runs
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tokenize", "add_generation_prompt", "return_dict", "return_tensors",
+    "padding", "truncation", "max_length", "tokenizer_kwargs", "chat_template",
+    "return_assistant_tokens_mask"})

@@ -16,6 +16,7 @@ class SequenceOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # finish_reason "stop": stop string or token id; None: EOS
     num_output_tokens: int = 0  # total so far
     cumulative_logprob: float = 0.0
     logprobs: list[dict] | None = None  # one entry per new token when logprobs were asked for
@@ -28,11 +29,15 @@ class RequestOutput:
     finished: bool
     num_prompt_tokens: int
     error: str | None = None
+    # On the request's first output, when it asked for prompt_logprobs: one entry per prompt
+    # token (the first's logprob is None).
+    prompt_logprobs: list[dict] | None = None
 
 
 class RequestState:
     def __init__(self, first: Sequence, make_detokenizer: Callable[[], IncrementalDetokenizer],
-                 logprob_entry: Callable[[SampledToken], dict], timeline: RequestTimeline,
+                 logprob_entries: Callable[[list[SampledToken]], list[dict]],
+                 timeline: RequestTimeline,
                  trace_parent: str | None = None, stream_interval: int | None = 1):
         params = first.params
         self.request_id = first.request_id
@@ -40,7 +45,8 @@ class RequestState:
         self.n = params.n
         self.num_sequences = params.best_of or params.n
         self.make_detokenizer = make_detokenizer
-        self.logprob_entry = logprob_entry
+        self.logprob_entries = logprob_entries
+        self.prompt_logprobs_due = params.prompt_logprobs is not None
         self.timeline = timeline
         self.trace_parent = trace_parent
         self.stream_interval = stream_interval  # None: output only at the end
@@ -62,12 +68,13 @@ class RequestState:
     def finished(self) -> bool:
         return not self.needs_fork and all(s.is_finished for s in self.seqs)
 
-    def on_new_token(self, seq: Sequence) -> bool:
-        """Detokenize `seq`'s latest token; True if a stop string ended it."""
+    def on_new_token(self, seq: Sequence) -> str | None:
+        """Detokenize `seq`'s latest token; the stop string that ended it, if one did."""
         start = time.perf_counter()
-        stopped = self.detokenizers[seq.index].add_tokens(seq.token_ids, final=seq.is_finished)
+        detokenizer = self.detokenizers[seq.index]
+        stopped = detokenizer.add_tokens(seq.token_ids, final=seq.is_finished)
         self.timeline.detokenize_seconds += time.perf_counter() - start
-        return stopped
+        return detokenizer.matched_stop if stopped else None
 
     def output(self) -> RequestOutput | None:
         """Deltas since the last call; best_of > n reports only once, the n best at the end."""
@@ -81,7 +88,22 @@ class RequestState:
         else:
             deltas = [self._delta(seq, seq.index) for seq in self.seqs]
             deltas += [SequenceOutput(i) for i in range(len(deltas), self.n)]
-        return RequestOutput(self.request_id, deltas, self.finished, self.num_prompt_tokens)
+        return RequestOutput(self.request_id, deltas, self.finished, self.num_prompt_tokens,
+                             prompt_logprobs=self._take_prompt_logprobs())
+
+    def _take_prompt_logprobs(self) -> list[dict] | None:
+        """The prompt logprobs, once (None if aborted before the prompt was computed)."""
+        if not self.prompt_logprobs_due:
+            return None
+        self.prompt_logprobs_due = False
+        first = self.seqs[0]
+        if first.needs_prompt_logprobs:
+            return None
+        # The first prompt token has no logprob: nothing comes before it.
+        entries = self.logprob_entries([SampledToken(first.token_ids[0], 0.0, []),
+                                        *first.prompt_logprobs])
+        entries[0]["logprob"] = None
+        return entries
 
     def _due(self) -> bool:
         """Output now: a sequence's first tokens, its end, or stream_interval tokens unsent."""
@@ -98,7 +120,7 @@ class RequestState:
         self.num_sent[seq.index] = seq.num_output_tokens
         logprobs = None
         if seq.params.logprobs is not None:
-            logprobs = [self.logprob_entry(s) for s in seq.logprobs[sent:]]
+            logprobs = self.logprob_entries(seq.logprobs[sent:])
         return SequenceOutput(index, self.detokenizers[seq.index].take_delta(seq.is_finished),
-                              seq.output_token_ids[sent:], seq.finish_reason,
+                              seq.output_token_ids[sent:], seq.finish_reason, seq.stop_reason,
                               seq.num_output_tokens, seq.cumulative_logprob, logprobs)

@@ -60,7 +60,9 @@ class Scheduler:
                 encoding = 0 if seq.encoder_computed else len(seq.encoder_token_ids or ())
                 if encoding >= budget and plan.chunks:
                     break  # the encoder runs in one piece: in a step of its own if need be
-                reused = self.block_manager.reuse_cached_prefix(seq)
+                # NOTE: prompt logprobs need the whole prompt computed: no cached prefix.
+                reused = (None if seq.needs_prompt_logprobs
+                          else self.block_manager.reuse_cached_prefix(seq))
                 if reused is not None and self.block_manager.next_block_hash(seq) in in_flight:
                     self._release(seq)
                     break
@@ -117,11 +119,14 @@ class Scheduler:
         # A sequence admitted on reused KV: the runner has not seen the tokens before `start`.
         history = seq.token_ids[:start] if tracked and admitted else []
         encoder = seq.encoder_token_ids or []
+        targets = (seq.token_ids[start + 1:min(start + num_new + 1, seq.num_prompt_tokens)]
+                   if seq.needs_prompt_logprobs else [])
         plan.chunks.append(ScheduledChunk(
             seq.seq_id, seq.token_ids[start:start + num_new], start, list(seq.block_table),
             sampling, seq.num_prompt_tokens, tracked, history,
             encoder_token_ids=None if seq.encoder_computed or not encoder else list(encoder),
-            cross_block_table=list(seq.cross_block_table), encoder_len=len(encoder)))
+            cross_block_table=list(seq.cross_block_table), encoder_len=len(encoder),
+            prompt_targets=targets, num_prompt_logprobs=seq.params.prompt_logprobs or 0))
         return num_new
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
@@ -136,14 +141,18 @@ class Scheduler:
                 banned.append(word[-1])
         return tuple(banned)
 
-    def update(self, plan: StepPlan, sampled: dict[int, SampledToken]) -> list[Sequence]:
-        """Apply a step's results (seq_id -> new token); returns the sequences that grew."""
+    def update(self, plan: StepPlan, sampled: dict[int, SampledToken],
+               prompt_logprobs: dict[int, list[SampledToken]] | None = None) -> list[Sequence]:
+        """Apply a step's results (seq_id -> new token, and prompt logprobs where asked);
+        returns the sequences that grew."""
         grown = []
         by_id = {seq.seq_id: seq for seq in self.running}
         for chunk in plan.chunks:
             seq = by_id.get(chunk.seq_id)
             if seq is None:  # aborted while the step ran
                 continue
+            if chunk.prompt_targets:
+                seq.add_prompt_logprobs(chunk.start_pos, prompt_logprobs[chunk.seq_id])
             seq.num_computed_tokens += len(chunk.token_ids)
             seq.encoder_computed = seq.encoder_token_ids is not None
             self.block_manager.cache_full_blocks(seq)
@@ -152,27 +161,33 @@ class Scheduler:
             result = sampled[chunk.seq_id]
             seq.append(result)
             grown.append(seq)
-            reason = self._token_stop_reason(seq, result.token)
+            reason, stop_reason = self._token_finish_reason(seq, result.token)
             if reason:
-                self.finish(seq, reason)
+                self.finish(seq, reason, stop_reason)
         return grown
 
-    def _token_stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def _token_finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        """(finish reason, stop reason): an EOS token stops with stop reason None, a stop token
+        with its id (vLLM's meaning)."""
         p = seq.params
         if seq.num_output_tokens >= p.min_tokens:
-            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-                return FinishReason.STOP
+            if token in self.eos_token_ids and not p.ignore_eos:
+                return FinishReason.STOP, None
+            if token in p.stop_token_ids:
+                return FinishReason.STOP, token
         if seq.num_tokens >= seq.max_total_tokens:
-            return FinishReason.LENGTH
+            return FinishReason.LENGTH, None
         needed = self.block_manager.blocks_for(seq.num_tokens) + len(seq.cross_block_table)
         if needed > self.block_manager.num_blocks:
-            return FinishReason.LENGTH  # the whole KV cache could not hold one more token
-        return None
+            return FinishReason.LENGTH, None  # the whole KV cache could not hold one more token
+        return None, None
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End `seq` (finished or aborted) and free its blocks at once."""
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """End `seq` (finished or aborted) and free its blocks at once; `stop_reason`: the stop
+        string or token id that ended it."""
         if seq.is_finished:
             return
+        seq.stop_reason = stop_reason
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:

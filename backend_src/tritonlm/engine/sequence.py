@@ -45,15 +45,30 @@ class Sequence:
         self.encoder_computed = False
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
+        # finish_reason "stop": the stop string or stop token id that ended it; None for EOS.
+        self.stop_reason: str | int | None = None
         self.cumulative_logprob = 0.0
         # Per output token when the request asked for logprobs: (token, logprob, top alternatives)
         self.logprobs: list[SampledToken] = []
+        # prompt_logprobs: entry i for prompt token i + 1 (the first token has none)
+        self.prompt_logprobs: list[SampledToken] = []
 
     def append(self, sampled: SampledToken) -> None:
         self.token_ids.append(sampled.token)
         self.cumulative_logprob += sampled.logprob
         if self.params.logprobs is not None:
             self.logprobs.append(sampled)
+
+    def add_prompt_logprobs(self, start_pos: int, entries: list[SampledToken]) -> None:
+        """The prompt logprobs of a chunk starting at `start_pos` (a recomputed one replaces)."""
+        del self.prompt_logprobs[start_pos:]
+        self.prompt_logprobs += entries
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """The request asked for prompt logprobs and this (its first) sequence lacks some."""
+        return (self.params.prompt_logprobs is not None and self.index == 0
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def num_tokens(self) -> int:

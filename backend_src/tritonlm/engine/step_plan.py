@@ -28,6 +28,10 @@ class ScheduledChunk:
     encoder_token_ids: list[int] | None = None
     cross_block_table: list[int] = field(default_factory=list)
     encoder_len: int = 0
+    # prompt_logprobs: the prompt tokens that follow this chunk's first len(prompt_targets)
+    # tokens, whose logprobs (and top num_prompt_logprobs alternatives) the request asked for.
+    prompt_targets: list[int] = field(default_factory=list)
+    num_prompt_logprobs: int = 0
 
 
 @dataclass
@@ -48,3 +52,10 @@ class SampledToken:
     token: int
     logprob: float
     top: list[tuple[int, float]]
+
+
+@dataclass
+class StepResult:
+    """What a step produced: the sampled tokens, and prompt logprobs for the chunks asking."""
+    sampled: dict[int, SampledToken] = field(default_factory=dict)  # by seq_id
+    prompt_logprobs: dict[int, list[SampledToken]] = field(default_factory=dict)  # by seq_id

@@ -1,6 +1,6 @@
 """Batched sampling with per-row parameters: one pass over [rows, vocab], no per-row Python.
 
-Order: penalties on the raw logits, then temperature, then the truncations (top-k, top-p, min-p,
+Order: logit_bias and penalties on the raw logits, then temperature, then the truncations (top-k, top-p, min-p,
 typical), then a draw. Random draws come from a counter-based hash of (seed, output index, token
 id), so a request's samples depend only on its own seed and inputs, never on the batch or device.
 Reported logprobs are those of the model's raw distribution.
@@ -60,6 +60,10 @@ class SamplingTensors:
     # Token history for penalties ([S, V]), None when no row uses a penalty.
     seen: torch.Tensor | None = None  # bool: in the prompt or the output so far
     output_counts: torch.Tensor | None = None  # occurrences in the output so far
+    # logit_bias as (row, token, value) triples ([B] each), None when no row has one.
+    bias_rows: torch.Tensor | None = None
+    bias_tokens: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
 
 
 @dataclass
@@ -74,11 +78,15 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """logits [S, V] -> chosen tokens with their logprobs and the top-N alternatives."""
     kernels = cpu_kernels.for_tensor(logits)
     if (kernels is not None and t.all_greedy and t.seen is None and not t.banned_rows.numel()
-            and logits.stride(-1) == 1):
+            and t.bias_rows is None and logits.stride(-1) == 1):
         tokens, normalizer = kernels.argmax_logsumexp(logits)  # one pass, no float32 copy
         return _with_logprobs(logits, tokens, normalizer[:, None], t.num_logprobs)
     raw = logits.float()
-    logits = apply_penalties(raw, t) if t.seen is not None else raw
+    logits = raw
+    if t.bias_rows is not None:
+        logits = logits.index_put((t.bias_rows, t.bias_tokens), t.bias_values, accumulate=True)
+    if t.seen is not None:
+        logits = apply_penalties(logits, t)
     if t.banned_rows.numel():
         logits = logits.index_put((t.banned_rows, t.banned_tokens),
                                   torch.tensor(float("-inf"), device=logits.device))

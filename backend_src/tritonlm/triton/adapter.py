@@ -73,10 +73,11 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             return None if tensor is None else tensor.as_numpy()
 
-        parsed = parse_request(get, request.parameters())
+        parsed = parse_request(get, request.parameters(), self.engine.sampling_defaults)
         request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
         prepared = self.engine.make_request(request_id, parsed.prompt, parsed.params,
-                                            parsed.messages, parsed.add_generation_prompt)
+                                            parsed.messages, parsed.add_generation_prompt,
+                                            parsed.chat_template_kwargs)
         prepared.trace_parent = _trace_parent(request) if self.tracer is not None else None
         prepared.stream = parsed.stream
         prompt_text = prepared.prompt_text

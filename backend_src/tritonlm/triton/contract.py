@@ -18,8 +18,9 @@ class TensorSpec:
     dims: tuple[int, ...]
 
 
-# Scalar sampling keys that may also arrive as individual tensors (not `logprobs`, which names an
-# output; it comes in sampling_parameters or as a request parameter).
+# Scalar sampling keys that may also arrive as individual tensors (not `logprobs` and
+# `prompt_logprobs`, which name outputs; they come in sampling_parameters or as request
+# parameters; `logit_bias`, a JSON object, only in sampling_parameters).
 SAMPLING_TENSORS = (
     TensorSpec("max_tokens", "INT32", (1,)),
     TensorSpec("min_tokens", "INT32", (1,)),
@@ -38,6 +39,7 @@ SAMPLING_TENSORS = (
     TensorSpec("stop", "STRING", (-1,)),
     TensorSpec("stop_token_ids", "INT64", (-1,)),
     TensorSpec("bad_words", "STRING", (-1,)),
+    TensorSpec("truncate_prompt_tokens", "INT32", (1,)),
     # TensorRT-LLM's names (request_parser maps them)
     TensorSpec("stop_words", "STRING", (-1,)),
     TensorSpec("end_id", "INT32", (1,)),
@@ -53,6 +55,7 @@ RETURN_FLAGS = (
     "return_token_ids",
     "return_logprobs",
     "return_cumulative_logprob",
+    "return_stop_reason",
 )
 
 INPUTS = (
@@ -60,6 +63,7 @@ INPUTS = (
     TensorSpec("input_ids", "INT64", (-1,)),
     TensorSpec("messages", "STRING", (1,)),
     TensorSpec("add_generation_prompt", "BOOL", (1,)),  # with messages; default true
+    TensorSpec("chat_template_kwargs", "STRING", (1,)),  # with messages: a JSON object
     TensorSpec("stream", "BOOL", (1,)),
     TensorSpec("sampling_parameters", "STRING", (1,)),
     TensorSpec("exclude_input_in_output", "BOOL", (1,)),
@@ -75,6 +79,8 @@ OUTPUTS = (
     TensorSpec("num_output_tokens", "UINT32", (-1,)),
     TensorSpec("cumulative_logprob", "FP32", (-1,)),
     TensorSpec("logprobs", "STRING", (-1,)),
+    TensorSpec("stop_reason", "STRING", (-1,)),  # JSON per sequence: null, a string or a token id
+    TensorSpec("prompt_logprobs", "STRING", (-1,)),  # JSON per prompt token, first response only
 )
 
 

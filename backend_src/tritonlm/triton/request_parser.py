@@ -20,19 +20,24 @@ class ParsedRequest:
     prompt: str | list[int] | None
     messages: list | None
     add_generation_prompt: bool
+    chat_template_kwargs: dict | None
     params: SamplingParams
     stream: bool
     exclude_input_in_output: bool
     return_flags: frozenset[str]
 
 
-def parse_request(get: TensorGetter, parameters_json: str | None) -> ParsedRequest:
-    """Raises InvalidRequestError naming the offending input."""
+def parse_request(get: TensorGetter, parameters_json: str | None,
+                  defaults: dict | None = None) -> ParsedRequest:
+    """Raises InvalidRequestError naming the offending input. `defaults`: sampling keys (the
+    model's, LLMEngine.sampling_defaults) for those the request leaves unset."""
     prompt, messages = _read_prompt(get)
     sampling = _json_object(_text(get, "sampling_parameters"), "sampling_parameters")
     sampling.update(_request_parameters(parameters_json))
     sampling.update(_sampling_tensors(get))
     _resolve_trtllm_names(sampling)
+    sampling = {**(defaults or {}), **sampling}
+    template_kwargs = _text(get, "chat_template_kwargs")
     return_flags = frozenset(f for f in RETURN_FLAGS if _flag(get, f, False))
     if "return_logprobs" in return_flags:
         sampling.setdefault("logprobs", 0)  # the chosen tokens' logprobs at least
@@ -40,6 +45,8 @@ def parse_request(get: TensorGetter, parameters_json: str | None) -> ParsedReque
         prompt=prompt,
         messages=messages,
         add_generation_prompt=_flag(get, "add_generation_prompt", True),
+        chat_template_kwargs=(None if template_kwargs is None
+                              else _json_object(template_kwargs, "chat_template_kwargs")),
         params=SamplingParams.from_dict(sampling),
         stream=_flag(get, "stream", False),
         exclude_input_in_output=_flag(get, "exclude_input_in_output", True),

@@ -17,6 +17,10 @@ from .quantize import QuantizedSource, Storage, storage_layout
 from .sources import Source
 
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)")
+# gguf-py's Keys.General sampling keys (in gguf releases that define them) -> generation_config.json
+_SAMPLING_KEYS = {"SAMPLING_TEMP": "temperature", "SAMPLING_TOP_K": "top_k",
+                  "SAMPLING_TOP_P": "top_p", "SAMPLING_MIN_P": "min_p",
+                  "SAMPLING_PENALTY_REPEAT": "repetition_penalty"}
 
 
 def _float32_value(value: float) -> float:
@@ -155,11 +159,16 @@ class GGUFSource(Source):
         return build_tokenizer(self.meta, self.raw_config["max_position_embeddings"])
 
     def generation_config(self) -> dict:
-        """Special token ids, with end-of-turn tokens added to the ones generation stops on."""
+        """Special token ids, with end-of-turn tokens added to the ones generation stops on, and
+        the recommended sampling settings the file names (`general.sampling.*`)."""
         config = super().generation_config()
         end_of_turn = [self.meta.get(k) for k in (Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)]
         stops = [config.get("eos_token_id"), *end_of_turn]
         stops = list(dict.fromkeys(s for s in stops if s is not None))
         if len(stops) > 1:
             config["eos_token_id"] = stops
+        for key, name in _SAMPLING_KEYS.items():
+            value = self.meta.get(getattr(Keys.General, key, None))
+            if value is not None:
+                config[name] = int(value) if name == "top_k" else _float32_value(value)
         return config
