@@ -9,6 +9,12 @@ from dataclasses import dataclass, field
 from .triton_gateway import GenerateChunk, GenerateRequest, SequenceDelta, TritonGateway
 
 _END = object()
+MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports impossible tokens this way too
+
+
+def clamped_logprob(value: float | None) -> float | None:
+    """A logprob JSON can carry (None stays None)."""
+    return None if value is None else max(value, MIN_LOGPROB)
 
 
 async def merged(gateway: TritonGateway, requests: list[GenerateRequest]

@@ -8,13 +8,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from .errors import APIError
-from .generations import GenerationResult, SequenceResult, collect, first_and_rest, merged
+from .generations import (GenerationResult, SequenceResult, clamped_logprob, collect,
+                          first_and_rest, merged)
 from .http_utils import read_body, sse_event, sse_response, unless_disconnected
 from .openai_protocol import ChatCompletionRequest, CompletionRequest
 from .triton_gateway import GenerateRequest, SequenceDelta
 
 router = APIRouter()
-MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports impossible tokens this way too
 
 
 def _fingerprint(model: str) -> str:
@@ -26,13 +26,9 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _logprob(value: float | None) -> float | None:
-    return None if value is None else max(value, MIN_LOGPROB)
-
-
 def _chat_logprob(entry: dict) -> dict:
     token = entry["token"]
-    return {"token": token, "logprob": _logprob(entry["logprob"]),
+    return {"token": token, "logprob": clamped_logprob(entry["logprob"]),
             "bytes": list(token.encode("utf-8"))}
 
 
@@ -49,9 +45,9 @@ def completion_logprobs(entries: list[dict | None], text_start: int = 0) -> dict
     tokens, token_logprobs, top, offsets, offset = [], [], [], [], text_start
     for entry in entries:
         tokens.append(entry["token"])
-        token_logprobs.append(_logprob(entry["logprob"]))
+        token_logprobs.append(clamped_logprob(entry["logprob"]))
         alternatives = entry.get("top_logprobs") or []
-        top.append({t["token"]: _logprob(t["logprob"]) for t in alternatives}
+        top.append({t["token"]: clamped_logprob(t["logprob"]) for t in alternatives}
                    if entry["logprob"] is not None else None)
         offsets.append(offset)
         offset += len(entry["token"])
