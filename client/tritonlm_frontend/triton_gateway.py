@@ -122,7 +122,15 @@ class TritonGateway:
 
     def __init__(self, url: str):
         self.url = url
-        self.client = grpcclient.InferenceServerClient(url)
+        self._client: grpcclient.InferenceServerClient | None = None
+
+    @property
+    def client(self) -> grpcclient.InferenceServerClient:
+        # NOTE: a grpc.aio channel belongs to the event loop running when it is made, so it is
+        # made on first use, in the server's loop (create_app runs before uvicorn starts one).
+        if self._client is None:
+            self._client = grpcclient.InferenceServerClient(self.url)
+        return self._client
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """The request's responses until its final one. Raises APIError for a rejected or failed
@@ -172,5 +180,6 @@ class TritonGateway:
             return False
 
     async def close(self) -> None:
-        await self.client.close()
+        if self._client is not None:
+            await self._client.close()
 
