@@ -53,6 +53,11 @@ def _read_files(model: ServedModel, repository: Path) -> None:
         logger.warning("model %s: no %s/ under %s; /tokenize is unavailable for it", model.name,
                        WEIGHTS_DIR, repository / model.name)
         return
+    engine = version / "engine.json"
+    if engine.is_file():  # the engine's settings win over the converter's config.pbtxt values
+        max_model_len = json.loads(engine.read_text()).get("max_model_len")
+        if isinstance(max_model_len, int):
+            model.parameters["max_model_len"] = str(max_model_len)
     weights = version / WEIGHTS_DIR
     if (weights / "tokenizer.json").is_file():
         model.tokenizer = Tokenizer.from_file(str(weights / "tokenizer.json"))
