@@ -44,7 +44,14 @@ async def read_body(request: Request, schema: type[Model], status: int = 400) ->
 
 def sse_event(data: Any) -> str:
     """One Server-Sent Event carrying `data` (a JSON value, or a str sent as it is)."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False,
+                                                         separators=(",", ":"))
+    return f"data: {text}\n\n"
+
+
+def request_id(request: Request) -> str | None:
+    """The client's X-Request-Id (vLLM honours it too): Triton's request id, in the engine's log."""
+    return request.headers.get("x-request-id")
 
 
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from .errors import APIError
 from .generations import (GenerationResult, SequenceResult, clamped_logprob, collect,
                           first_and_rest, merged)
-from .http_utils import read_body, sse_event, sse_response, unless_disconnected
+from .http_utils import read_body, request_id, sse_event, sse_response, unless_disconnected
 from .openai_protocol import ChatCompletionRequest, CompletionRequest
 from .triton_gateway import GenerateRequest, SequenceDelta
 
@@ -74,7 +74,7 @@ async def chat_completions(request: Request):
                                add_generation_prompt=body.add_generation_prompt,
                                chat_template_kwargs=body.chat_template_kwargs,
                                sampling=body.sampling(), stream=body.stream,
-                               logprobs=body.logprobs)
+                               logprobs=body.logprobs, request_id=request_id(request))
     gateway = request.app.state.gateway
     response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": response_id, "created": created, "model": model.name,
@@ -130,8 +130,11 @@ async def completions(request: Request):
     model = await request.app.state.catalog.get(body.model)
     sampling = body.sampling()
     logprobs = body.logprobs is not None
+    prompts, rid = body.prompts(), request_id(request)
     generates = [GenerateRequest(model.name, prompt=p, sampling=sampling, stream=body.stream,
-                                 echo=body.echo, logprobs=logprobs) for p in body.prompts()]
+                                 echo=body.echo, logprobs=logprobs,
+                                 request_id=rid and (rid if len(prompts) == 1 else f"{rid}-{i}"))
+                 for i, p in enumerate(prompts)]
     gateway = request.app.state.gateway
     n = body.n
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model.name,

@@ -3,14 +3,19 @@ client. One ModelStreamInfer call per request, so closing a request's iterator (
 went away) cancels that call alone and Triton stops the request and frees its KV blocks."""
 from __future__ import annotations
 
+import asyncio
 import json
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+import numpy as np
 import tritonclient.grpc.aio as grpcclient
-from tritonclient.grpc import InferInput
-from tritonclient.utils import InferenceServerException
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import (InferenceServerException, deserialize_bytes_tensor,
+                                serialize_byte_tensor, triton_to_np_dtype)
 
 from tritonlm_client.grpc_client import field_array
 from tritonlm_client._core import FIELD_TYPES
@@ -30,6 +35,7 @@ class GenerateRequest:
     stream: bool = True
     echo: bool = False  # the prompt's text before the first response's text
     logprobs: bool = False  # per generated token (sampling "logprobs" sets how many alternatives)
+    request_id: str | None = None  # the client's X-Request-Id, which the engine's log shows
 
     def fields(self) -> dict[str, Any]:
         if self.messages is not None:
@@ -69,28 +75,38 @@ class GenerateChunk:
     final: bool
 
 
-def _strings(result, name: str) -> list[str]:
-    array = result.as_numpy(name)
-    if array is None:
-        return []
-    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in array.reshape(-1)]
+def _outputs(response) -> dict[str, np.ndarray]:
+    """A ModelInferResponse's outputs by name, decoded from its raw contents."""
+    arrays = {}
+    for output, raw in zip(response.outputs, response.raw_output_contents):
+        if output.datatype == "BYTES":
+            arrays[output.name] = deserialize_bytes_tensor(raw)
+        else:
+            arrays[output.name] = np.frombuffer(raw, dtype=triton_to_np_dtype(output.datatype))
+    return arrays
 
 
-def _numbers(result, name: str) -> list:
-    array = result.as_numpy(name)
+def _strings(outputs: dict, name: str) -> list[str]:
+    array = outputs.get(name)
+    return [] if array is None else [v.decode("utf-8") for v in array.reshape(-1)]
+
+
+def _numbers(outputs: dict, name: str) -> list:
+    array = outputs.get(name)
     return [] if array is None else array.reshape(-1).tolist()
 
 
-def parse_response(result) -> GenerateChunk:
-    """One Triton response (a tritonclient InferResult) as a GenerateChunk."""
-    texts = _strings(result, "text_output")
-    counts = _numbers(result, "num_output_tokens") or [0] * len(texts)
-    reasons = _strings(result, "finish_reason")
-    stop_reasons = [json.loads(r) for r in _strings(result, "stop_reason")]
-    cumulative = _numbers(result, "cumulative_logprob")
-    token_ids = _numbers(result, "token_ids")
-    logprobs = [json.loads(e) for e in _strings(result, "logprobs")]
-    prompt_logprobs = [json.loads(e) for e in _strings(result, "prompt_logprobs")]
+def parse_response(response) -> GenerateChunk:
+    """One Triton response (a ModelInferResponse) as a GenerateChunk."""
+    outputs = _outputs(response)
+    texts = _strings(outputs, "text_output")
+    counts = _numbers(outputs, "num_output_tokens") or [0] * len(texts)
+    reasons = _strings(outputs, "finish_reason")
+    stop_reasons = [json.loads(r) for r in _strings(outputs, "stop_reason")]
+    cumulative = _numbers(outputs, "cumulative_logprob")
+    token_ids = _numbers(outputs, "token_ids")
+    logprobs = [json.loads(e) for e in _strings(outputs, "logprobs")]
+    prompt_logprobs = [json.loads(e) for e in _strings(outputs, "prompt_logprobs")]
     sequences, start = [], 0
     for index, text in enumerate(texts):
         end = start + int(counts[index])
@@ -100,21 +116,23 @@ def parse_response(result) -> GenerateChunk:
             stop_reasons[index] if index < len(stop_reasons) else None,
             cumulative[index] if index < len(cumulative) else None))
         start = end
-    num_input = _numbers(result, "num_input_tokens")
-    params = result.get_response().parameters
-    final = "triton_final_response" in params and params["triton_final_response"].bool_param
+    num_input = _numbers(outputs, "num_input_tokens")
+    final = response.parameters.get("triton_final_response")
     return GenerateChunk(sequences, int(num_input[0]) if num_input else None,
-                         prompt_logprobs or None, final)
+                         prompt_logprobs or None, bool(final and final.bool_param))
 
 
-def _infer_inputs(fields: dict[str, Any]) -> list[InferInput]:
-    inputs = []
-    for name, value in fields.items():
+def _infer_request(request: GenerateRequest, request_id: str) -> service_pb2.ModelInferRequest:
+    infer = service_pb2.ModelInferRequest(model_name=request.model, id=request_id)
+    # tritonclient's asyncio client cannot ask for this; without it a request whose last
+    # response carries no outputs (a cancelled one) would never be seen to end.
+    infer.parameters["triton_enable_empty_final_response"].bool_param = True
+    for name, value in request.fields().items():
         array = field_array(name, value)
-        tensor = InferInput(name, list(array.shape), FIELD_TYPES[name])
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
+        infer.inputs.add(name=name, datatype=FIELD_TYPES[name], shape=array.shape)
+        infer.raw_input_contents.append(serialize_byte_tensor(array).item()
+                                        if FIELD_TYPES[name] == "BYTES" else array.tobytes())
+    return infer
 
 
 class TritonGateway:
@@ -130,37 +148,42 @@ class TritonGateway:
         # made on first use, in the server's loop (create_app runs before uvicorn starts one).
         if self._client is None:
             self._client = grpcclient.InferenceServerClient(self.url)
+            # Generation streams go through the same channel, as raw protobufs (_infer_request).
+            self.stream_stub = service_pb2_grpc.GRPCInferenceServiceStub(self._client._channel)
         return self._client
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """The request's responses until its final one. Raises APIError for a rejected or failed
         request; closing the iterator early cancels the request in Triton."""
-        inputs = _infer_inputs(request.fields())
+        self.client  # the channel, made in this event loop
+        infer = _infer_request(request, request.request_id or uuid.uuid4().hex)
+        ended = asyncio.Event()
 
         async def one_request():
-            yield {"model_name": request.model, "inputs": inputs,
-                   "parameters": {"triton_enable_empty_final_response": True}}
+            yield infer
+            await ended.wait()  # a half-closed stream would end the call before its responses
 
-        responses = self.client.stream_infer(one_request())
+        call = self.stream_stub.ModelStreamInfer(one_request())
         finished = False
         try:
-            async for result, error in responses:
-                if error is not None:
-                    finished = True
-                    raise from_triton_message(error.message())
-                chunk = parse_response(result)
+            async for response in call:
+                finished = bool(response.error_message)
+                if finished:
+                    raise from_triton_message(response.error_message)
+                chunk = parse_response(response.infer_response)
                 finished = chunk.final
                 yield chunk
                 if finished:
                     return
             finished = True
             raise APIError(502, "tritonserver ended the stream before the request's last response")
-        except InferenceServerException as exc:
+        except grpc.aio.AioRpcError as exc:
             finished = True
-            raise from_triton_message(exc.message()) from None
+            raise from_triton_message(f"{exc.code().name}: {exc.details()}") from None
         finally:
+            ended.set()
             if not finished:
-                responses.cancel()
+                call.cancel()
 
     async def model_names(self) -> list[str]:
         """The names of the models Triton's repository index reports ready."""
