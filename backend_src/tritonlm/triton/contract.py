@@ -3,6 +3,7 @@
 One table serves the converter (which writes config.pbtxt from it) and the adapter (which reads
 requests by it), so the two cannot drift apart. No Triton import here.
 """
+import json
 from dataclasses import dataclass
 
 
@@ -96,8 +97,9 @@ def render_config_pbtxt(name: str, instance_kind: str, parameters: dict[str, str
     """config.pbtxt for a decoupled Python-backend model serving this contract."""
     inputs = ",\n".join(_tensor_block(s, optional=True) for s in INPUTS)
     outputs = ",\n".join(_tensor_block(s, optional=False) for s in OUTPUTS)
+    # json.dumps quotes a value as protobuf text format does (backslash escapes)
     params = "\n".join(
-        f'parameters {{\n  key: "{key}"\n  value: {{ string_value: "{value}" }}\n}}'
+        f'parameters {{\n  key: "{key}"\n  value: {{ string_value: {json.dumps(value)} }}\n}}'
         for key, value in sorted(parameters.items())
     )
     return (

@@ -1,12 +1,14 @@
 """The conversion: open the source, quantize it if asked, settle dtype and context length, write the
 model directory."""
 import importlib.util
+import json
 import re
 from pathlib import Path
 
 import torch
 from transformers import PretrainedConfig
 from tritonlm.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
+from tritonlm.engine.generation_config import sampling_defaults
 from tritonlm.models.registry import context_limit
 from tritonlm.triton.contract import render_config_pbtxt
 
@@ -178,6 +180,9 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
         "tp_size": str(engine.tensor_parallel_size),
         "dtype": dtype,
         "quantization": source.quantization,
+        # what the engine applies where a request leaves a key unset, for clients to show
+        **{f"default_{key}": json.dumps(value)
+           for key, value in sampling_defaults(source.generation_config()).items()},
     }
     model_dir = Path(output) / name
     write_model(model_dir, source, tokenizer, config, shards, engine, render_config_pbtxt(name, kind, parameters))
