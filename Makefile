@@ -6,6 +6,7 @@ MODEL ?= llm
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+FRONTEND_PORT ?= 8080
 
 .PHONY: setup setup-vllm serve test bench bench-vllm clean
 
@@ -20,7 +21,7 @@ $(REPO)/$(MODEL)/config.pbtxt: | $(STAMP)
 
 serve: setup $(REPO)/$(MODEL)/config.pbtxt
 	$(VENV)/bin/tritonlm-serve --model-repository $(REPO) --http-port $(HTTP_PORT) \
-		--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+		--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --frontend-port $(FRONTEND_PORT)
 
 test: setup
 	$(PY) -m pytest -q tests
