@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 
 from .errors import APIError
 from .generations import SequenceResult, clamped_logprob, collect, first_and_rest, merged
-from .http_utils import read_body, sse_event, sse_response, unless_disconnected
+from .http_utils import read_body, request_id, sse_event, sse_response, unless_disconnected
 from .served_models import ServedModel
 from .tgi_protocol import (MAX_BEST_OF, MAX_CONCURRENT_REQUESTS, MAX_STOP_SEQUENCES,
                            MAX_TOP_N_TOKENS, CompatBody, GenerateBody, GenerateParameters)
@@ -75,7 +75,7 @@ async def _prepare(request: Request, body: GenerateBody, stream: bool) -> Genera
         params.check_length(tokens, model.max_model_len)
     sampling = params.engine_sampling(token_details=stream or params.wants_details)
     return GenerateRequest(model.name, prompt=body.inputs, sampling=sampling, stream=stream,
-                           logprobs="logprobs" in sampling)
+                           logprobs="logprobs" in sampling, request_id=request_id(request))
 
 
 def finish_reason(reason: str | None, stop_reason: str | int | None) -> str:
