@@ -68,7 +68,8 @@ class GenerateParameters(_Lenient):
         if self.watermark:
             raise invalid("`watermark` is not supported yet", "parameters.watermark")
         if self.grammar is not None:
-            raise invalid("`grammar` is not supported yet (structured output)", "parameters.grammar")
+            raise invalid("`grammar` is not supported yet (structured output)",
+                          "parameters.grammar")
         if self.adapter_id is not None:
             raise invalid("`adapter_id` is not supported yet (LoRA adapters)",
                           "parameters.adapter_id")
