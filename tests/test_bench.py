@@ -8,6 +8,8 @@ import pytest
 
 from tritonlm.bench.cli import build_parser, build_workload, main
 from tritonlm.bench.metrics import RequestRecord, Slo, summarize
+from tritonlm.bench.serve_client import chunk_sizes
+from tritonlm.bench.systems import server_urls
 
 from conftest import SERVED_MAX_MODEL_LEN
 from test_observability import delta, scrape
@@ -102,6 +104,61 @@ def test_served_over_grpc_at_several_concurrencies_and_stream_intervals(smollm2_
     assert [run["concurrency"] for run in per_token] == [1, 4]
 
 
+def test_served_through_the_front_end_against_grpc_run_by_run(smollm2_server, smollm2_repo,
+                                                              tmp_path, capsys):
+    """grpc, openai (/v1/completions) and tgi (/generate_stream) alternate round by round; each
+    front-end run is reported against the gRPC run of the same load."""
+    out = tmp_path / "front_end.json"
+    main(["--model", str(smollm2_repo), "--mode", "serve", "--url", smollm2_server.grpc_url,
+          "--frontend-url", smollm2_server.frontend_url, "--served-model", "llm",
+          "--protocol", "grpc", "openai", "tgi", "--concurrency", "2", "--num-requests", "2",
+          "--input-len", "16", "--output-len", "6", "--rounds", "2", "--json", str(out)])
+    report = json.loads(out.read_text())
+    runs = _runs(out)
+    names = [f"tritonlm served ({p}) concurrency=2" for p in ("grpc", "openai", "tgi")]
+    assert sorted(runs) == sorted(names)
+    for name, run in runs.items():
+        assert (run["completed"], run["failed"], run["output_tokens"]) == (2, 0, 12), name
+        assert run["itl_ms"]["p50"] > 0 and len(run["rounds_ttft_p50_ms"]) == 2
+    assert runs[names[1]]["input_tokens"] == 32
+    assert 28 <= runs[names[2]]["input_tokens"] <= 32  # TGI's text prompts, re-encoded
+    grpc = runs[names[0]]
+    for name in names[1:]:
+        versus = report["versus_grpc"][name]
+        assert versus["grpc_system"] == names[0]
+        assert versus["ratio_rounds"] == pytest.approx(
+            [a / b for a, b in zip(runs[name]["rounds_output_tokens_per_s"],
+                                   grpc["rounds_output_tokens_per_s"])])
+        assert versus["ratio"] == pytest.approx(min(versus["ratio_rounds"]))  # median_low of 2
+        assert versus["ttft_p50_diff_ms_rounds"] == pytest.approx(
+            [a - b for a, b in zip(runs[name]["rounds_ttft_p50_ms"], grpc["rounds_ttft_p50_ms"])])
+    printed = capsys.readouterr().out
+    assert "openai / grpc at concurrency=2:" in printed and "tgi / grpc at concurrency=2:" in printed
+    assert "median TTFT" in printed
+
+
+def test_openai_chunks_are_counted_at_the_stream_interval():
+    assert chunk_sizes(5, 5, 4) == [1] * 5
+    assert chunk_sizes(10, 4, 4) == [1, 4, 4, 1]
+    assert chunk_sizes(9, 3, 4) == [1, 4, 4]
+    assert chunk_sizes(10, 3, 4) is None  # 4 + 4 + 1 cannot carry 10
+    assert chunk_sizes(10, 4, 1) is None
+
+
+def test_a_running_server_needs_the_url_of_each_protocol():
+    def urls(*argv):
+        return server_urls(build_parser().parse_args(["--mode", "serve", *argv]))
+    assert urls("--protocol", "grpc", "openai") is None  # none named: the bench starts one
+    assert urls("--url", "h:1", "--frontend-url", "http://h:2", "--protocol", "grpc", "tgi") == {
+        "grpc": "h:1", "tgi": "http://h:2"}
+    with pytest.raises(SystemExit, match="--frontend-url"):
+        urls("--url", "h:1", "--protocol", "grpc", "openai")
+    with pytest.raises(SystemExit, match="--url"):
+        urls("--frontend-url", "http://h:2", "--protocol", "openai", "grpc")
+    with pytest.raises(SystemExit, match="apart"):
+        urls("--url", "h:1", "--protocol", "grpc", "http")
+
+
 def test_served_over_grpc_counts_failed_requests_apart_from_the_others(smollm2_server,
                                                                        smollm2_repo, tmp_path):
     # Prompts of max_model_len tokens or more fail, each alone; the others stream every token.
@@ -142,13 +199,16 @@ def test_served_over_http_sse_by_request_rate_reports_bad_requests(smollm2_serve
 
 
 def test_offline_and_served_in_one_run_starts_its_own_server(smollm2_repo, tmp_path):
+    """The bench starts tritonserver, and the front end beside it for openai."""
     out = tmp_path / "both.json"
     main(["--model", str(smollm2_repo), "--mode", "offline", "serve", "--concurrency", "3",
-          "--num-requests", "3", "--input-len", "8", "--output-len", "5", "--json", str(out)])
+          "--protocol", "grpc", "openai", "--num-requests", "3", "--input-len", "8",
+          "--output-len", "5", "--json", str(out)])
     report = json.loads(out.read_text())
     runs = _runs(out)
     served = runs["tritonlm served (grpc) concurrency=3"]
     assert runs["tritonlm offline"]["output_tokens"] == served["output_tokens"] == 15
+    assert runs["tritonlm served (openai) concurrency=3"]["output_tokens"] == 15
     assert report["ratios"]["tritonlm served (grpc) concurrency=3"] == pytest.approx(
         runs["tritonlm offline"]["output_tokens_per_s"] / served["output_tokens_per_s"])
     assert (tmp_path / "both.server.log").read_text()  # the server's log is kept beside

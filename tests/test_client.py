@@ -9,6 +9,7 @@ import pytest
 
 from conftest import hf_greedy
 from tritonlm_client import Client, HTTPClient, TritonLMError
+from tritonlm_client.chat_defaults import CHAT_DEFAULTS
 
 pytestmark = pytest.mark.server
 
@@ -119,7 +120,8 @@ def test_cli_generate_prints_the_greedy_text(smollm2_server):
 
 
 def test_cli_chat_answers_each_stdin_line_and_exits_on_eof(smollm2_server):
-    sampling = {"temperature": 0, "max_tokens": 30}
+    # the keys the user leaves unset start from the chat settings (SmolLM2 gives none)
+    sampling = {**CHAT_DEFAULTS, "temperature": 0, "max_tokens": 30}
     follow_up = "And of Germany?"
     with Client(smollm2_server.grpc_url) as grpc_client:
         first = grpc_client.chat(QUESTION, **sampling).text
@@ -138,3 +140,31 @@ def test_n_sequences_come_back_as_texts(client):
     assert len(whole.texts) == 3 and whole.text == whole.texts[0]
     assert whole.num_output_tokens == 18 and len(whole.token_ids) == 18
     assert whole.finish_reason == "length"
+
+
+def test_sampling_defaults_come_from_the_model_config(client):
+    assert client.sampling_defaults() == {}  # SmolLM2's generation_config sets none
+
+
+def test_model_config_defaults_are_parsed_from_its_parameters():
+    from tritonlm_client._core import defaults_from_parameters
+    parameters = {"dtype": {"string_value": "float32"}, "default_temperature": {"string_value": "0.6"},
+                  "default_top_k": {"string_value": "20"}, "default_bad": {"string_value": "x"}}
+    assert defaults_from_parameters(parameters) == {"temperature": 0.6, "top_k": 20}
+
+
+def test_chat_settings_leave_the_models_own_defaults_to_the_server(capsys):
+    from tritonlm_client.cli import _chat_sampling, build_parser
+
+    class ModelWithDefaults:
+        def sampling_defaults(self):
+            return {"temperature": 0.6, "top_p": 0.95}
+
+    args = build_parser().parse_args(["chat", "--max-tokens", "20", "--top-p", "0.5"])
+    sent = _chat_sampling(ModelWithDefaults(), args, show=True)
+    # the user's keys, and chat defaults for what neither the user nor the model sets
+    assert sent == {"max_tokens": 20, "top_p": 0.5, "top_k": CHAT_DEFAULTS["top_k"],
+                    "repetition_penalty": CHAT_DEFAULTS["repetition_penalty"]}
+    shown = capsys.readouterr().err
+    assert shown.startswith("[settings: ") and "temperature=0.6 (the model's)" in shown
+    assert "top_p=0.5 max_tokens=20 (given)" in shown

@@ -1,7 +1,9 @@
-"""Client for tritonlm models served by Triton: gRPC streaming (`Client`) and HTTP generate
-(`HTTPClient`), both with generate / stream / chat / chat_stream."""
+"""Client for tritonlm models served by Triton: gRPC streaming (`Client`), HTTP generate
+(`HTTPClient`) and the HTTP front end's OpenAI API (`OpenAIClient`), each with generate / stream /
+chat / chat_stream."""
 from ._core import Completion, Delta, TritonLMError
 from .grpc_client import Client
 from .http_client import HTTPClient
+from .openai_client import OpenAIClient
 
-__all__ = ["Client", "HTTPClient", "Completion", "Delta", "TritonLMError"]
+__all__ = ["Client", "HTTPClient", "OpenAIClient", "Completion", "Delta", "TritonLMError"]

@@ -108,8 +108,27 @@ def merge(parts: Iterable[Completion]) -> Completion:
     return total
 
 
+def defaults_from_parameters(parameters: Mapping[str, Any]) -> dict[str, Any]:
+    """Sampling defaults a model's config.pbtxt parameters name as `default_<key>` (a JSON value
+    in string_value, e.g. default_temperature: "0.6")."""
+    defaults = {}
+    for name, value in parameters.items():
+        if name.startswith("default_"):
+            text = value.get("string_value", "") if isinstance(value, Mapping) else value
+            try:
+                defaults[name[len("default_"):]] = json.loads(text)
+            except ValueError:
+                continue
+    return defaults
+
+
 class BaseClient:
     """The public API; subclasses supply `_responses`, the transport."""
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The sampling values the server applies where a request leaves a key unset (the
+        model's generation_config), as far as this transport can read them; {} when unknown."""
+        return {}
 
     def _responses(self, fields: dict[str, Any]) -> Iterator[Completion]:
         """Yield the parsed responses of one request until its final one; closing the iterator

@@ -6,6 +6,7 @@ import sys
 from typing import Iterator
 
 from ._core import Delta, TritonLMError
+from .chat_defaults import chat_settings
 
 
 def _sampling(args) -> dict:
@@ -13,7 +14,30 @@ def _sampling(args) -> dict:
     return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
 
 
+def _chat_sampling(client, args, show: bool) -> dict:
+    """The keys to send for a chat: the user's, and the chat defaults for keys neither the user
+    nor the model sets (the server applies the model's own defaults to the keys left unset).
+    With `show`, prints the settings in use once (stderr)."""
+    given = _sampling(args)
+    try:
+        model = client.sampling_defaults()
+    except TritonLMError:
+        model = {}  # the requests themselves will say what is wrong
+    in_use = {**chat_settings(model), **given}
+    if show:
+        groups = {"given": [k for k in in_use if k in given],
+                  "the model's": [k for k in in_use if k not in given and k in model],
+                  "chat defaults": [k for k in in_use if k not in given and k not in model]}
+        print("[settings: " + "; ".join(
+            " ".join(f"{k}={in_use[k]}" for k in keys) + f" ({label})"
+            for label, keys in groups.items() if keys) + "]", file=sys.stderr, flush=True)
+    return {k: v for k, v in in_use.items() if k in given or k not in model}
+
+
 def _client(args):
+    if args.openai:
+        from .openai_client import OpenAIClient
+        return OpenAIClient(args.openai, args.model, timeout=args.timeout)
     if args.http:
         from .http_client import HTTPClient
         return HTTPClient(args.url or "localhost:8000", args.model, timeout=args.timeout)
@@ -33,12 +57,19 @@ def _print_stream(deltas: Iterator[Delta], out=sys.stdout) -> tuple[str, str | N
 
 
 def _generate(args) -> int:
-    client, sampling = _client(args), _sampling(args)
+    client = _client(args)
+    if args.chat:
+        sampling = _chat_sampling(client, args, show=args.verbose)
+        prompt, stream, whole = ([{"role": "user", "content": args.prompt}], client.chat_stream,
+                                 client.chat)
+    else:
+        sampling = _sampling(args)
+        prompt, stream, whole = args.prompt, client.stream, client.generate
     if args.stream:
-        _, reason = _print_stream(client.stream(args.prompt, **sampling))
+        _, reason = _print_stream(stream(prompt, **sampling))
         print()
     else:
-        result = client.generate(args.prompt, **sampling)
+        result = whole(prompt, **sampling)
         print(result.text)
         reason = result.finish_reason
         if args.verbose:
@@ -50,7 +81,8 @@ def _generate(args) -> int:
 
 
 def _chat(args) -> int:
-    client, sampling = _client(args), _sampling(args)
+    client = _client(args)
+    sampling = _chat_sampling(client, args, show=True)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     while True:
@@ -79,7 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", help="server address (default localhost:8001, or localhost:8000 with --http)")
     common.add_argument("--model", default="llm", help="model name (default: llm)")
-    common.add_argument("--http", action="store_true", help="use HTTP generate instead of gRPC")
+    transport = common.add_mutually_exclusive_group()
+    transport.add_argument("--http", action="store_true", help="use HTTP generate instead of gRPC")
+    transport.add_argument("--openai", metavar="URL",
+                           help="go through the HTTP front end's OpenAI API at URL (e.g. "
+                                "http://localhost:8080) instead of Triton's endpoints")
     common.add_argument("--timeout", type=float, help="request timeout in seconds")
     common.add_argument("--max-tokens", dest="max_tokens", type=int)
     common.add_argument("--temperature", type=float)
@@ -93,8 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", parents=[common], help="complete a prompt")
     gen.add_argument("prompt")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument("--chat", action="store_true",
+                     help="send the prompt as one user chat message (the model's chat template), "
+                          "starting from the chat settings")
     gen.set_defaults(run=_generate)
-    chat = sub.add_parser("chat", parents=[common], help="interactive chat (reads user turns from stdin)")
+    chat = sub.add_parser("chat", parents=[common], help="interactive chat (reads user turns from "
+                          "stdin); sampling keys left unset start from the model's defaults, "
+                          "else from chat defaults (printed at start)")
     chat.add_argument("--system", help="system prompt")
     chat.set_defaults(run=_chat)
     return parser

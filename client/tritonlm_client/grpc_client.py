@@ -10,7 +10,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from ._core import FIELD_TYPES, BaseClient, Completion, TritonLMError, parse_outputs
+from ._core import (FIELD_TYPES, BaseClient, Completion, TritonLMError, defaults_from_parameters,
+                    parse_outputs)
 
 _NUMPY = {"BYTES": np.object_, "INT64": np.int64, "BOOL": np.bool_}
 _DONE = object()
@@ -86,6 +87,17 @@ class Client(BaseClient):
                 conn = None
             if conn is not None:
                 self._release(conn)
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """`default_<key>` parameters of the model's config (none: {})."""
+        conn = self._acquire()
+        try:
+            config = conn.get_model_config(self.model, as_json=True)
+        except InferenceServerException as err:
+            raise TritonLMError(err.message()) from None
+        finally:
+            self._release(conn)
+        return defaults_from_parameters(config.get("config", {}).get("parameters", {}))
 
     def close(self) -> None:
         """Close the idle gRPC channels."""

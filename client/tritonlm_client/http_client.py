@@ -7,7 +7,7 @@ import json
 from typing import Any, Iterator
 from urllib.parse import quote, urlsplit
 
-from ._core import BaseClient, Completion, TritonLMError, parse_outputs
+from ._core import BaseClient, Completion, TritonLMError, defaults_from_parameters, parse_outputs
 
 
 class HTTPClient(BaseClient):
@@ -21,11 +21,11 @@ class HTTPClient(BaseClient):
         self.host, self.port = parts.hostname or "localhost", parts.port
         self.model, self.timeout = model, timeout
 
-    def _post(self, endpoint: str, fields: dict[str, Any]):
+    def _request(self, endpoint: str, fields: dict[str, Any] | None, method: str = "POST"):
         conn = self._conn_class(self.host, self.port, timeout=self.timeout)
         path = f"/v2/models/{quote(self.model, safe='')}/{endpoint}"
         try:
-            conn.request("POST", path, body=json.dumps(fields).encode(),
+            conn.request(method, path, body=None if fields is None else json.dumps(fields).encode(),
                          headers={"Content-Type": "application/json"})
             return conn, conn.getresponse()
         except (OSError, http.client.HTTPException) as err:
@@ -36,7 +36,7 @@ class HTTPClient(BaseClient):
         if fields["stream"]:
             yield from self._sse(fields)
             return
-        conn, resp = self._post("generate", fields)
+        conn, resp = self._request("generate", fields)
         try:
             body = _decode(resp.read(), resp.status)
         finally:
@@ -44,7 +44,7 @@ class HTTPClient(BaseClient):
         yield parse_outputs(body)
 
     def _sse(self, fields: dict[str, Any]) -> Iterator[Completion]:
-        conn, resp = self._post("generate_stream", fields)
+        conn, resp = self._request("generate_stream", fields)
         try:
             if resp.status != 200 and "text/event-stream" not in (resp.getheader("Content-Type") or ""):
                 _decode(resp.read(), resp.status)  # raises with the server's message
@@ -59,6 +59,15 @@ class HTTPClient(BaseClient):
             raise TritonLMError(f"HTTP stream from {self.host}:{self.port} broke: {err}") from None
         finally:
             conn.close()  # closing early makes Triton cancel the request
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """`default_<key>` parameters of the model's config (none: {})."""
+        conn, resp = self._request("config", None, method="GET")
+        try:
+            config = _decode(resp.read(), resp.status)
+        finally:
+            conn.close()
+        return defaults_from_parameters(config.get("parameters", {}))
 
     def close(self) -> None:
         """Nothing to release: each request uses its own connection."""

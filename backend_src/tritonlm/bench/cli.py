@@ -1,8 +1,9 @@
 """tritonlm-bench: throughput and latency of tritonlm offline (the engine in process) and served
-(a real tritonserver over gRPC streaming or HTTP SSE), next to HF transformers and vLLM on the
-same requests.
+(a real tritonserver over gRPC streaming or HTTP SSE, or the OpenAI / TGI front end beside it),
+next to HF transformers and vLLM on the same requests.
 
   tritonlm-bench --mode offline serve --concurrency 32 --compare hf vllm --rounds 3 --json out.json
+  tritonlm-bench --mode serve --protocol grpc openai tgi --concurrency 32 --rounds 3
 """
 import argparse
 import statistics
@@ -62,9 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("serve")
     s.add_argument("--url", help="host:port of a running server (gRPC port, or HTTP with "
-                   "--protocol http); default: start tritonlm-serve on --model's repository")
+                   "--protocol http); default: start tritonserver (and the front end for openai "
+                   "/ tgi) on --model's repository")
+    s.add_argument("--frontend-url", help="http://host:port of a running HTTP front end "
+                   "(tritonlm-frontend, port 8080 under tritonlm-serve), for --protocol openai / "
+                   "tgi")
     s.add_argument("--served-model", default=None, help="model name on the server")
-    s.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    s.add_argument("--protocol", nargs="+", choices=("grpc", "http", "openai", "tgi"),
+                   default=["grpc"], help="grpc (ModelStreamInfer), http (generate_stream SSE), "
+                   "openai (the front end's streamed /v1/completions), tgi (its /generate_stream, "
+                   "text prompts); several compare them run by run, each against grpc")
     s.add_argument("--concurrency", type=lambda t: [int(v) for v in t.split(",")],
                    help="requests in flight, one run per value (e.g. 1,8,32)")
     s.add_argument("--request-rate", type=lambda t: [float(v) for v in t.split(",")],
@@ -133,13 +141,15 @@ def median_runs(contenders: list[systems.System], summaries: dict[str, list[dict
         ordered = sorted(summaries[system.name], key=lambda s: s["output_tokens_per_s"])
         runs.append({**ordered[(len(ordered) - 1) // 2], **system.extra,
                      "rounds_output_tokens_per_s": [s["output_tokens_per_s"]
-                                                    for s in summaries[system.name]]})
+                                                    for s in summaries[system.name]],
+                     "rounds_ttft_p50_ms": [s["ttft_ms"]["p50"] for s in summaries[system.name]]})
     return runs
 
 
 def main(argv=None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.protocol = list(dict.fromkeys(args.protocol))
     if args.compare_dtypes and not args.compare:
         parser.error("--compare-dtypes needs --compare hf and/or vllm")
     model_dir = args.model or default_model_dir(args.dtype)
@@ -177,6 +187,8 @@ def main(argv=None) -> None:
         spread = (f" (median of {len(rounds)} rounds: {min(rounds):.2f}x..{max(rounds):.2f}x)"
                   if len(rounds) > 1 else "")
         print(f"  {ours} / {name}: {vs[name]:.2f}x output tokens/s{spread}")
+    versus_grpc = report.versus_grpc(runs)
+    report.print_versus_grpc(versus_grpc)
     for mode, probe in prefix.items():
         print(f"  shared {probe['prefix_tokens']}-token prefix ({mode}): TTFT cold "
               f"{probe['ttft_cold_ms']:.1f} ms, warm {probe['ttft_warm_ms']:.1f} ms "
@@ -191,6 +203,7 @@ def main(argv=None) -> None:
     if args.json:
         report.write_json(args.json, {"title": title, "dtype": config.dtype, "runs": runs,
                                       "ratios": vs, "ratio_rounds": ratio_rounds,
+                                      "versus_grpc": versus_grpc,
                                       "prefix_cache": prefix})
     if args.plot:
         report.plot(args.plot, runs)

@@ -2,6 +2,7 @@
 throughput as a PNG."""
 import json
 import math
+import statistics
 from pathlib import Path
 
 
@@ -33,6 +34,44 @@ def ratios(runs: list[dict], ours: str) -> dict[str, list[float]]:
         return {}
     return {name: [a / b for a, b in zip(by_system[ours], rounds)]
             for name, rounds in by_system.items() if name != ours and min(rounds) > 0}
+
+
+def versus_grpc(runs: list[dict]) -> dict[str, dict]:
+    """Every served run over another protocol against the gRPC run of the same load (stream
+    interval, concurrency or rate): its output tokens/s over gRPC's and its median TTFT minus
+    gRPC's, round by round, and the median round of each."""
+    def load(run: dict) -> tuple:
+        return run["stream_interval"], run.get("concurrency"), run.get("request_rate")
+    grpc = {load(run): run for run in runs if run.get("protocol") == "grpc"}
+    versus = {}
+    for run in runs:
+        base = grpc.get(load(run)) if run.get("protocol") not in (None, "grpc") else None
+        if base is None:
+            continue
+        ratios = [a / b for a, b in zip(run["rounds_output_tokens_per_s"],
+                                        base["rounds_output_tokens_per_s"]) if b > 0]
+        ttft = [a - b for a, b in zip(run["rounds_ttft_p50_ms"], base["rounds_ttft_p50_ms"])]
+        versus[run["system"]] = {
+            "protocol": run["protocol"], "grpc_system": base["system"],
+            "stream_interval": run["stream_interval"],
+            "ratio": statistics.median_low(ratios) if ratios else math.nan,
+            "ratio_rounds": ratios, "ttft_p50_diff_ms": statistics.median_low(ttft),
+            "ttft_p50_diff_ms_rounds": ttft}
+    return versus
+
+
+def print_versus_grpc(versus: dict[str, dict]) -> None:
+    for name, v in versus.items():
+        load = name.rsplit(" ", 1)[-1] + (f", {v['stream_interval']} tokens per response"
+                                          if v["stream_interval"] > 1 else "")
+        rounds = v["ratio_rounds"]
+        spread = (f" (median of {len(rounds)} rounds: {min(rounds):.2f}x..{max(rounds):.2f}x)"
+                  if len(rounds) > 1 else "")
+        ttft = v["ttft_p50_diff_ms_rounds"]
+        ttft_spread = (f" (rounds: {min(ttft):+.1f}..{max(ttft):+.1f} ms)"
+                       if len(ttft) > 1 else "")
+        print(f"  {v['protocol']} / grpc at {load}: {v['ratio']:.2f}x output tokens/s{spread}; "
+              f"median TTFT {v['ttft_p50_diff_ms']:+.1f} ms{ttft_spread}")
 
 
 def write_json(path: Path, report: dict) -> None:

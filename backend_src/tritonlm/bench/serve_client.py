@@ -1,6 +1,7 @@
-"""Load against a running tritonserver: every request streamed over gRPC (ModelStreamInfer) or
-HTTP Server-Sent Events (generate_stream), sent at a Poisson rate or kept at a fixed concurrency,
-with each streamed token's arrival time recorded."""
+"""Load against a running tritonserver: every request streamed over gRPC (ModelStreamInfer), HTTP
+Server-Sent Events (generate_stream), or through the HTTP front end (OpenAI's /v1/completions,
+TGI's /generate_stream), sent at a Poisson rate or kept at a fixed concurrency, with each streamed
+token's arrival time recorded."""
 import asyncio
 import json
 import queue
@@ -150,14 +151,123 @@ class SseStreamer:
         await self.session.close()
 
 
+class OpenAIStreamer:
+    """Streamed POST /v1/completions of the front end with the token-id prompt. Chunks carry text,
+    not token ids: the usage chunk (stream_options.include_usage) gives the completion's tokens,
+    and the chunks carry them as the engine streams, a chunk per token, or with stream_interval k
+    the first token, then k per chunk, then the rest."""
+
+    def __init__(self, url: str, model: str, stream_interval: int):
+        self.model, self.stream_interval = model, stream_interval
+        self.endpoint = f"{url.rstrip('/')}/v1/completions"
+        self.session = _http_session()
+
+    async def send(self, request: BenchRequest, record: RequestRecord) -> None:
+        body = {"model": self.model, "prompt": request.prompt_token_ids,
+                "max_tokens": request.output_len, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        if self.stream_interval > 1:
+            body["stream_interval"] = self.stream_interval  # vLLM's extra key
+        arrivals, completion_tokens = [], None
+        async for event in _sse_events(self.session, self.endpoint, body, record):
+            if event == "[DONE]":
+                break
+            if "error" in event:
+                record.error = str(event["error"].get("message", event["error"]))
+                return
+            if event.get("choices"):
+                arrivals.append(time.perf_counter())
+            if event.get("usage"):
+                completion_tokens = event["usage"]["completion_tokens"]
+        if record.error is not None:
+            return
+        if completion_tokens is None:
+            record.error = "the stream ended without its usage chunk"
+            return
+        sizes = chunk_sizes(completion_tokens, len(arrivals), self.stream_interval)
+        if sizes is None:
+            record.error = (f"{len(arrivals)} chunks cannot carry {completion_tokens} tokens "
+                            f"at stream_interval {self.stream_interval}")
+            return
+        for size, at in zip(sizes, arrivals):
+            record.add_tokens(size, at)
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+def chunk_sizes(tokens: int, chunks: int, interval: int) -> list[int] | None:
+    """Tokens per streamed chunk when `chunks` chunks carried `tokens`: one each, or as the
+    engine streams at `interval` (the first token at once, `interval` per chunk, then the rest);
+    None when neither fits."""
+    if chunks == tokens:
+        return [1] * chunks
+    last = tokens - 1 - interval * (chunks - 2)
+    if chunks < 2 or not 1 <= last <= interval:
+        return None
+    return [1] + [interval] * (chunks - 2) + [last]
+
+
+class TgiStreamer:
+    """Streamed POST /generate_stream (TGI's API) of the front end: an event per token. TGI takes
+    text prompts only, so each prompt is the text of its token ids, trimmed until it encodes to
+    about as many tokens (`prompt_text`, done before the run starts). TGI serves one model."""
+
+    def __init__(self, url: str, requests: list[BenchRequest], prompt_text):
+        self.endpoint = f"{url.rstrip('/')}/generate_stream"
+        self.prompts = {id(r): prompt_text(r.prompt_token_ids) for r in requests}
+        self.session = _http_session()
+
+    async def send(self, request: BenchRequest, record: RequestRecord) -> None:
+        text, record.prompt_len = self.prompts[id(request)]
+        body = {"inputs": text, "parameters": {
+            "max_new_tokens": request.output_len, "details": False, "do_sample": False,
+            "ignore_eos": True}}
+        async for event in _sse_events(self.session, self.endpoint, body, record):
+            if "error" in event:
+                record.error = str(event["error"])
+                return
+            if event.get("token") is not None:
+                record.add_tokens(1, time.perf_counter())
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+def _http_session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                 connector=aiohttp.TCPConnector(limit=0))
+
+
+async def _sse_events(session: aiohttp.ClientSession, endpoint: str, body: dict,
+                      record: RequestRecord):
+    """The JSON value (or the bare string, as "[DONE]") of each `data:` line of the response; a
+    refused request sets record.error and yields nothing."""
+    async with session.post(endpoint, json=body) as response:
+        if response.status != 200:
+            record.error = f"HTTP {response.status}: {await response.text()}"
+            return
+        async for line in response.content:
+            if line.startswith(b"data:"):
+                data = line[5:].strip()
+                yield data.decode() if data == b"[DONE]" else json.loads(data)
+
+
+STREAMERS = {"grpc": GrpcStreamer, "http": SseStreamer, "openai": OpenAIStreamer}
+
+
 async def run_load(requests: list[BenchRequest], url: str, model: str, protocol: str,
                    concurrency: int | None = None, request_rate: float | None = None,
-                   seed: int = 0, on_done=lambda: None, stream_interval: int = 1
-                   ) -> tuple[list[RequestRecord], float]:
+                   seed: int = 0, on_done=lambda: None, stream_interval: int = 1,
+                   prompt_text=None) -> tuple[list[RequestRecord], float]:
     """Send every request; at most `concurrency` in flight, or arrivals at `request_rate` per
     second (Poisson; inf sends all at once), each streamed a response per `stream_interval`
-    tokens. Returns the records and the run's duration."""
-    streamer = (GrpcStreamer if protocol == "grpc" else SseStreamer)(url, model, stream_interval)
+    tokens (tgi: a response per token, the prompt sent as `prompt_text(ids)`, a (text, its
+    token count) pair). Returns the records and the run's duration."""
+    if protocol == "tgi":
+        streamer = TgiStreamer(url, requests, prompt_text)
+    else:
+        streamer = STREAMERS[protocol](url, model, stream_interval)
     limit = asyncio.Semaphore(concurrency or len(requests))
     rng = random.Random(seed)
     records: list[RequestRecord] = []

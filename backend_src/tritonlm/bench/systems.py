@@ -70,67 +70,128 @@ def offline(args, model_dir: Path, requests: list[BenchRequest], vocab_size: int
         engine.shutdown()
 
 
+FRONT_END_PROTOCOLS = ("openai", "tgi")  # served by tritonlm-frontend
+
+
+def server_urls(args) -> dict[str, str] | None:
+    """Each --protocol's URL on the running server that --url / --frontend-url name (None: start
+    one). grpc and http both take --url, so a run names at most one of them."""
+    if args.url is None and args.frontend_url is None:
+        return None
+    urls = {}
+    for protocol in args.protocol:
+        url = args.frontend_url if protocol in FRONT_END_PROTOCOLS else args.url
+        if url is None:
+            flag = "--frontend-url" if protocol in FRONT_END_PROTOCOLS else "--url"
+            raise SystemExit(f"--protocol {protocol} on a running server needs {flag}")
+        urls[protocol] = url
+    if {"grpc", "http"} <= urls.keys():
+        raise SystemExit("--url names one endpoint: run --protocol grpc and http apart")
+    return urls
+
+
 @contextmanager
-def _server(args, model_dir: Path) -> Iterator[str]:
-    """The URL of --url's server, or of a tritonserver started on --model's repository."""
-    if args.url is not None:
-        yield args.url
+def _server(args, model_dir: Path) -> Iterator[dict[str, str]]:
+    """Each --protocol's URL: on the running server that --url / --frontend-url name, or on a
+    tritonserver (and, for openai / tgi, the HTTP front end beside it, as tritonlm-serve runs
+    them) started on --model's repository."""
+    urls = server_urls(args)
+    if urls is not None:
+        yield urls
         return
+    from tritonlm.frontend_process import FrontendProcess
     from tritonlm.serve import TritonServerProcess
-    http, grpc, metrics_port = free_ports(3)
+    http, grpc, metrics_port, frontend_port = free_ports(4)
     log_path = Path(args.json or "tritonlm-bench").with_suffix(".server.log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         server = TritonServerProcess(model_dir.parent, http, grpc, metrics_port,
                                      stdout=log, stderr=subprocess.STDOUT).start()
+        frontend = None
         try:
             if not server.wait_ready(timeout=600):
                 raise SystemExit(f"tritonserver exited before it was ready; see {log.name}")
-            yield f"127.0.0.1:{grpc if args.protocol == 'grpc' else http}"
+            if any(p in FRONT_END_PROTOCOLS for p in args.protocol):
+                frontend = FrontendProcess(model_dir.parent, frontend_port, grpc, metrics_port,
+                                           stdout=log, stderr=subprocess.STDOUT).start()
+                if not frontend.wait_ready():
+                    raise SystemExit(f"the HTTP front end did not become ready; see {log.name}")
+            base = {"grpc": f"127.0.0.1:{grpc}", "http": f"127.0.0.1:{http}",
+                    **{p: f"http://127.0.0.1:{frontend_port}" for p in FRONT_END_PROTOCOLS}}
+            yield {protocol: base[protocol] for protocol in args.protocol}
         finally:
+            if frontend is not None:
+                frontend.stop()
             server.stop()
+
+
+def prompt_texts(model_dir: Path):
+    """For TGI's text-only prompts: the text of a prompt's token ids, cut back (a few times at
+    most) until the tokenizer encodes it to no more tokens than the ids; returns the text and
+    its token count. Decoded random ids re-encode a few percent longer (32 x 128 SmolLM2 ids:
+    129-140 tokens); after one cut, 96 such prompts all encoded to 128 tokens."""
+    from transformers import AutoTokenizer
+    from tritonlm.config import WEIGHTS_DIR
+    from tritonlm.engine.llm_engine import resolve_model_dir
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model_dir) / WEIGHTS_DIR)
+
+    def text(ids: list[int]) -> tuple[str, int]:
+        prompt = tokenizer.decode(ids)
+        for _ in range(4):
+            encoded = tokenizer.encode(prompt, add_special_tokens=True)
+            if len(encoded) <= len(ids):
+                break
+            prompt = tokenizer.decode(encoded[:len(ids)], skip_special_tokens=True)
+        return prompt, len(encoded)
+    return text
 
 
 @contextmanager
 def served(args, model_dir: Path, requests: list[BenchRequest], vocab_size: int
            ) -> Iterator[list[System]]:
-    """One system per --stream-interval value and --concurrency / --request-rate value. The
-    server's prefix cache outlives every run (and every bench), so each run sends the workload
-    under new random token ids (same lengths, same shared prefixes): no run finds an earlier run's
-    prompts cached."""
+    """One system per --protocol, --stream-interval value and --concurrency / --request-rate
+    value. The server's prefix cache outlives every run (and every bench), so each run sends the
+    workload under new random token ids (same lengths, same shared prefixes): no run finds an
+    earlier run's prompts cached."""
     from tritonlm.bench.serve_client import run_load
     model_dir = Path(model_dir)
     model = args.served_model or model_dir.name
-    with _server(args, model_dir) as url:
-        def load(batch, concurrency=None, rate=None, done=lambda: None, stream_interval=1):
-            return asyncio.run(run_load(batch, url, model, args.protocol, concurrency, rate,
-                                        args.seed, done, stream_interval))
+    prompt_text = prompt_texts(model_dir) if "tgi" in args.protocol else None
+    with _server(args, model_dir) as urls:
+        def load(protocol, batch, concurrency=None, rate=None, done=lambda: None,
+                 stream_interval=1):
+            return asyncio.run(run_load(batch, urls[protocol], model, protocol, concurrency,
+                                        rate, args.seed, done, stream_interval, prompt_text))
 
         def fresh(batch: list[BenchRequest]) -> list[BenchRequest]:
             return workloads.renamed(batch, vocab_size, random.SystemRandom().random())
-        load(fresh([BenchRequest(r.prompt_token_ids[:32], 4) for r in requests[:4]]))
+        for protocol in args.protocol:
+            load(protocol, fresh([BenchRequest(r.prompt_token_ids[:32], 4) for r in requests[:4]]))
         extra = {}
         if args.workload == "shared-prefix":
-            extra["prefix_cache"] = prefix_probe(args, vocab_size,
-                                                 lambda probe: load(probe, concurrency=1)[0])
+            extra["prefix_cache"] = prefix_probe(
+                args, vocab_size, lambda probe: load(args.protocol[0], probe, concurrency=1)[0])
         points = ([("concurrency", c) for c in args.concurrency or []]
                   + [("request_rate", r) for r in args.request_rate or []]
                   ) or [("concurrency", len(requests))]
 
-        def system(kind: str, value: float, interval: int) -> System:
-            series = f"tritonlm served ({args.protocol}" + (
+        def system(protocol: str, kind: str, value: float, interval: int) -> System:
+            series = f"tritonlm served ({protocol}" + (
                 f", {interval} tokens per response)" if interval > 1 else ")")
             label = f"{series} {kind}={value:g}"
             rate = {"concurrency" if kind == "concurrency" else "rate": value}
 
             def run() -> dict:
                 batch = fresh(requests)
-                return _timed(label, batch, lambda done: load(batch, **rate, done=done,
+                return _timed(label, batch, lambda done: load(protocol, batch, **rate, done=done,
                                                               stream_interval=interval),
-                              args.slo, series=series, stream_interval=interval, **{kind: value})
+                              args.slo, series=series, protocol=protocol,
+                              stream_interval=interval, **{kind: value})
             return System(label, run, extra)
-        yield [system(kind, value, interval) for interval in args.stream_interval
-               for kind, value in points]
+        # TGI's API streams a response per token: it gets no series for larger intervals
+        yield [system(protocol, kind, value, interval) for interval in args.stream_interval
+               for kind, value in points for protocol in args.protocol
+               if interval == 1 or protocol != "tgi"]
 
 
 @contextmanager
