@@ -231,3 +231,15 @@ def test_a_client_that_disconnects_cancels_its_request_and_frees_its_blocks(smol
                                     "ignore_eos": True})
     line = finished_line(smollm2_server, "disconnect-whole")
     assert line["reason"] == "abort" and int(line["output_tokens"]) < 400
+
+
+def test_huggingface_inference_client_chat_completion(smollm2_server, grpc):
+    from huggingface_hub import InferenceClient
+    client = InferenceClient(base_url=smollm2_server.frontend_url)
+    french = [{"role": "user", "content": "Say 'a coffee with milk, please' in French."}]
+    answer = client.chat_completion(french, max_tokens=32, temperature=0)
+    assert answer.choices[0].message.content == grpc.chat(french, max_tokens=32, temperature=0).text
+    deltas = [c.choices[0].delta.content or "" for c in client.chat_completion(
+        french, max_tokens=32, temperature=0, stream=True) if c.choices]
+    assert "".join(deltas) == answer.choices[0].message.content
+    assert not any("\ufffd" in d for d in deltas)  # no character split across deltas

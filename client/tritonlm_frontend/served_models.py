@@ -1,24 +1,27 @@
-"""The models the front end serves: names from Triton's repository index, metadata from each
-model's config.pbtxt parameters, and, where the front end can read the model repository, the
-tokenizer (for /tokenize) and the model's sampling defaults (shown by /info and the chat page)."""
+"""The models the front end serves: names from Triton's repository index, metadata (context
+length, dtype, sampling defaults) from each model's config.pbtxt parameters, and, where the front
+end can read the model repository, the tokenizer (for /tokenize and TGI's length checks)."""
 from __future__ import annotations
 
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer
+
+from tritonlm_client._core import defaults_from_parameters
 
 from .errors import APIError
 from .triton_gateway import TritonGateway
 
 logger = logging.getLogger("tritonlm.frontend")
 WEIGHTS_DIR = "weights"
-# The sampling keys a model's generation_config.json sets for the requests that leave them unset
-# (the engine applies them; the front end only shows them).
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# TGI serves one model and ignores the name: its docs' OpenAI examples send "tgi" and
+# huggingface_hub's InferenceClient sends "dummy" for a base_url; with one model served, they
+# name it (any other unknown name is a 404).
+TGI_PLACEHOLDER_NAMES = frozenset({"tgi", "dummy"})
 
 
 @dataclass
@@ -27,8 +30,13 @@ class ServedModel:
     parameters: dict[str, str]
     created: int
     tokenizer: Tokenizer | None = None
-    sampling_defaults: dict = field(default_factory=dict)
     special_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """What the engine applies where a request leaves a key unset (the model's
+        generation_config, written into config.pbtxt by the converter as default_<key>)."""
+        return defaults_from_parameters(self.parameters)
 
     @property
     def max_model_len(self) -> int | None:
@@ -64,10 +72,6 @@ def _read_files(model: ServedModel, repository: Path) -> None:
         model.special_token_ids = frozenset(
             token_id for token_id, token in model.tokenizer.get_added_tokens_decoder().items()
             if token.special)
-    generation = weights / "generation_config.json"
-    if generation.is_file():
-        values = json.loads(generation.read_text())
-        model.sampling_defaults = {k: values[k] for k in SAMPLING_DEFAULT_KEYS if k in values}
 
 
 class ModelCatalog:
@@ -94,6 +98,8 @@ class ModelCatalog:
         """The model named `name` (None: the only, or first, served model)."""
         if name not in self.models or not self.models:
             await self.refresh()  # a model may have been loaded since
+        if name in TGI_PLACEHOLDER_NAMES and name not in self.models and len(self.models) == 1:
+            name = None
         if name is None:
             if not self.models:
                 raise APIError(503, "tritonserver serves no model yet")
