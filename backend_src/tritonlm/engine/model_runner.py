@@ -2,7 +2,6 @@
 import dataclasses
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from tritonlm.config import WEIGHTS_DIR, EngineConfig
@@ -10,6 +9,7 @@ from tritonlm.distributed import parallel_state
 from tritonlm.distributed.ranks import RankGroup, join_process_group
 from tritonlm.engine.decode_graphs import DecodeGraphs
 from tritonlm.engine.kv_cache_sizing import cuda_kv_cache_budget, profile_steps
+from tritonlm.engine.prompt_logprobs import prompt_logprobs
 from tritonlm.engine.step_inputs import StepInputBuilder
 from tritonlm.engine.step_plan import SampledToken, StepPlan, StepResult
 from tritonlm.layers import cpu_kernels, triton_paged_attention, triton_support
@@ -165,7 +165,7 @@ class ModelRunner:
                 hidden, sample_index = self._forward(plan)
                 if self.is_driver:
                     self._sample(plan, hidden, sample_index)
-                    self._prompt_logprobs(plan, hidden)
+                    prompt_logprobs(self.model, plan.chunks, hidden)
         finally:
             self.token_counts.release([c.seq_id for plan in steps for c in plan.chunks])
             self._use_kv_cache(previous)
@@ -199,7 +199,7 @@ class ModelRunner:
         if not self.is_driver:
             return StepResult()
         return StepResult(self._sample(plan, hidden, sample_index),
-                          self._prompt_logprobs(plan, hidden))
+                          prompt_logprobs(self.model, plan.chunks, hidden))
 
     def _forward(self, plan: StepPlan):
         if self.is_driver:
@@ -229,41 +229,6 @@ class ModelRunner:
             n = chunk.sampling.params.logprobs or 0
             top = list(zip(top_ids[i][:n], top_logprobs[i][:n]))
             results[chunk.seq_id] = SampledToken(tokens[i], logprobs[i], top)
-        return results
-
-    def _prompt_logprobs(self, plan: StepPlan,
-                         hidden: torch.Tensor) -> dict[int, list[SampledToken]]:
-        """For chunks with prompt_targets: each target's logprob under the logits of the token
-        before it, and the top alternatives. Only these rows go through the LM head."""
-        asking = [i for i, c in enumerate(plan.chunks) if c.prompt_targets]
-        if not asking:
-            return {}
-        chunks = [plan.chunks[i] for i in asking]
-        lens = np.array([len(c.token_ids) for c in plan.chunks], dtype=np.int64)
-        counts = np.array([len(c.prompt_targets) for c in chunks], dtype=np.int64)
-        first = (np.cumsum(lens) - lens)[asking]  # each chunk's first row of `hidden`
-        rows = np.repeat(first - (np.cumsum(counts) - counts), counts) + np.arange(counts.sum())
-        rows = torch.from_numpy(rows).to(self.device)
-        targets = torch.tensor([t for c in chunks for t in c.prompt_targets], device=self.device)
-        k = max(c.num_prompt_logprobs for c in chunks)
-        chosen, top_ids, top_logprobs = [], [], []
-        for start in range(0, len(rows), _PROMPT_LOGPROB_ROWS):  # bounds the [rows, vocab] logits
-            part = slice(start, start + _PROMPT_LOGPROB_ROWS)
-            logprobs = torch.log_softmax(
-                self.model.compute_logits(hidden[rows[part]]).float(), dim=-1)
-            chosen.append(logprobs.gather(-1, targets[part, None]).squeeze(-1))
-            values, ids = logprobs.topk(k, dim=-1)
-            top_ids.append(ids)
-            top_logprobs.append(values)
-        chosen = torch.cat(chosen).tolist()
-        top_ids, top_logprobs = torch.cat(top_ids).tolist(), torch.cat(top_logprobs).tolist()
-        results, row = {}, 0
-        for chunk in chunks:
-            n = chunk.num_prompt_logprobs
-            results[chunk.seq_id] = [
-                SampledToken(token, chosen[r], list(zip(top_ids[r][:n], top_logprobs[r][:n])))
-                for r, token in enumerate(chunk.prompt_targets, row)]
-            row += len(chunk.prompt_targets)
         return results
 
     def _sampling_tensors(self, chunks) -> SamplingTensors:
@@ -324,6 +289,5 @@ def _attention_specs(layers: list[PagedAttention]) -> list[AttentionSpec]:
     return specs
 
 
-_PROMPT_LOGPROB_ROWS = 256  # prompt positions per LM-head pass for prompt logprobs
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty",
                  "presence_penalty", "frequency_penalty")
