@@ -193,7 +193,8 @@ def test_gguf_sampling_metadata_becomes_generation_config(tmp_path):
     f32, u32 = gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.UINT32
     keys = gguf.Keys.General
     copy_with_new_metadata(source, writer, {
-        keys.SAMPLING_TEMP: MetadataDetails(f32, 0.6), keys.SAMPLING_TOP_K: MetadataDetails(u32, 20),
+        keys.SAMPLING_TEMP: MetadataDetails(f32, 0.6),
+        keys.SAMPLING_TOP_K: MetadataDetails(u32, 20),
         keys.SAMPLING_TOP_P: MetadataDetails(f32, 0.95),
         keys.SAMPLING_MIN_P: MetadataDetails(f32, 0.05),
         keys.SAMPLING_PENALTY_REPEAT: MetadataDetails(f32, 1.1)}, [])

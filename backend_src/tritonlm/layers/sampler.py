@@ -1,8 +1,9 @@
 """Batched sampling with per-row parameters: one pass over [rows, vocab], no per-row Python.
 
-Order: logit_bias and penalties on the raw logits, then temperature, then the truncations (top-k, top-p, min-p,
-typical), then a draw. Random draws come from a counter-based hash of (seed, output index, token
-id), so a request's samples depend only on its own seed and inputs, never on the batch or device.
+Order: logit_bias, then penalties, on the raw logits, then temperature, then the truncations
+(top-k, top-p, min-p, typical), then a draw. Random draws come from a counter-based hash of
+(seed, output index, token id), so a request's samples depend only on its own seed and inputs,
+never on the batch or device.
 Reported logprobs are those of the model's raw distribution.
 """
 from dataclasses import dataclass
