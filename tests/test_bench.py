@@ -137,6 +137,28 @@ def test_served_through_the_front_end_against_grpc_run_by_run(smollm2_server, sm
     assert "median TTFT" in printed
 
 
+def test_front_end_runs_are_compared_with_grpc_only_in_rounds_where_both_streamed(capsys):
+    from tritonlm.bench.report import print_versus_grpc, versus_grpc
+
+    def run(protocol, tokens_per_s, ttft):
+        return {"system": f"tritonlm served ({protocol}) concurrency=8", "protocol": protocol,
+                "stream_interval": 1, "concurrency": 8, "rounds_output_tokens_per_s": tokens_per_s,
+                "rounds_ttft_p50_ms": ttft}
+    nan = float("nan")
+    versus = versus_grpc([run("grpc", [100.0, 0.0, 50.0], [10.0, nan, 30.0]),
+                          run("openai", [90.0, 80.0, 50.0], [12.0, 11.0, 31.0]),
+                          run("tgi", [0.0, 0.0, 0.0], [nan, nan, nan])])
+    openai = versus["tritonlm served (openai) concurrency=8"]
+    assert openai["ratio_rounds"] == [0.9, 1.0] and openai["ratio"] == 0.9
+    assert openai["ttft_p50_diff_ms_rounds"] == [2.0, 1.0] and openai["ttft_p50_diff_ms"] == 1.0
+    assert math.isnan(versus["tritonlm served (tgi) concurrency=8"]["ratio"])
+    print_versus_grpc(versus)
+    printed = capsys.readouterr().out
+    assert "openai / grpc at concurrency=8: 0.90x output tokens/s (median of 2 rounds: " \
+        "0.90x..1.00x); median TTFT +1.0 ms" in printed
+    assert "tgi / grpc at concurrency=8: no round where both streamed tokens" in printed
+
+
 def test_openai_chunks_are_counted_at_the_stream_interval():
     assert chunk_sizes(5, 5, 4) == [1] * 5
     assert chunk_sizes(10, 4, 4) == [1, 4, 4, 1]

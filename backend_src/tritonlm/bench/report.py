@@ -48,14 +48,18 @@ def versus_grpc(runs: list[dict]) -> dict[str, dict]:
         base = grpc.get(load(run)) if run.get("protocol") not in (None, "grpc") else None
         if base is None:
             continue
-        ratios = [a / b for a, b in zip(run["rounds_output_tokens_per_s"],
-                                        base["rounds_output_tokens_per_s"]) if b > 0]
-        ttft = [a - b for a, b in zip(run["rounds_ttft_p50_ms"], base["rounds_ttft_p50_ms"])]
+        # rounds where both runs streamed tokens (a run whose requests all failed has none)
+        rounds = [(a, b, c, d) for a, b, c, d in zip(
+            run["rounds_output_tokens_per_s"], base["rounds_output_tokens_per_s"],
+            run["rounds_ttft_p50_ms"], base["rounds_ttft_p50_ms"]) if a > 0 and b > 0]
+        ratios = [a / b for a, b, _, _ in rounds]
+        ttft = [c - d for _, _, c, d in rounds]
         versus[run["system"]] = {
             "protocol": run["protocol"], "grpc_system": base["system"],
             "stream_interval": run["stream_interval"],
-            "ratio": statistics.median_low(ratios) if ratios else math.nan,
-            "ratio_rounds": ratios, "ttft_p50_diff_ms": statistics.median_low(ttft),
+            "ratio": statistics.median_low(ratios) if rounds else math.nan,
+            "ratio_rounds": ratios,
+            "ttft_p50_diff_ms": statistics.median_low(ttft) if rounds else math.nan,
             "ttft_p50_diff_ms_rounds": ttft}
     return versus
 
@@ -65,6 +69,9 @@ def print_versus_grpc(versus: dict[str, dict]) -> None:
         load = name.rsplit(" ", 1)[-1] + (f", {v['stream_interval']} tokens per response"
                                           if v["stream_interval"] > 1 else "")
         rounds = v["ratio_rounds"]
+        if not rounds:
+            print(f"  {v['protocol']} / grpc at {load}: no round where both streamed tokens")
+            continue
         spread = (f" (median of {len(rounds)} rounds: {min(rounds):.2f}x..{max(rounds):.2f}x)"
                   if len(rounds) > 1 else "")
         ttft = v["ttft_p50_diff_ms_rounds"]
