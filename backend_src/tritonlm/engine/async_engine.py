@@ -48,6 +48,11 @@ class AsyncEngine:
         self._cancels: list[str] = []
         self._active: dict[str, _Handle] = {}
         self._watched: dict[str, _Handle] = {}  # unfinished requests with an is_cancelled
+        # Guards _watched. NOTE: is_cancelled() is asked under it, and a request leaves _watched
+        # under it before its last output is sent: Triton frees a request's response factory
+        # once the final response is sent, and is_cancelled() after that read freed memory
+        # (tritonserver died in TRITONBACKEND_ResponseFactoryIsCancelled).
+        self._watch_lock = threading.Lock()
         self._stopping = False
         self._ended = threading.Event()  # set when the engine loop has ended
         self.death: Exception | None = None  # why the loop died, if it did
@@ -87,7 +92,8 @@ class AsyncEngine:
             handle = _Handle(request, on_output, is_cancelled)
             self._incoming.append(handle)
             if is_cancelled is not None:
-                self._watched[request.request_id] = handle
+                with self._watch_lock:
+                    self._watched[request.request_id] = handle
             self._lock.notify()
 
     def abort(self, request_id: str) -> None:
@@ -187,16 +193,27 @@ class AsyncEngine:
     def _watch_cancellations(self) -> None:
         pause = CANCEL_POLL_INTERVAL
         while not self._ended.wait(pause):
-            with self._lock:
+            with self._watch_lock:
                 handles = list(self._watched.values())
             started = time.monotonic()
-            cancelled = [h.request.request_id for h in handles if _asks_to_cancel(h)]
+            cancelled = [h.request.request_id for h in handles if self._asks_to_cancel(h)]
             pause = max(CANCEL_POLL_INTERVAL,
                         (time.monotonic() - started) * (1 - CANCEL_POLL_DUTY) / CANCEL_POLL_DUTY)
             if cancelled:
                 with self._lock:
                     self._cancels.extend(cancelled)
                     self._lock.notify()
+
+    def _asks_to_cancel(self, handle: _Handle) -> bool:
+        with self._watch_lock:
+            if self._watched.get(handle.request.request_id) is not handle:
+                return False  # its last output is sent: its cancellation state is gone
+            try:
+                return handle.is_cancelled()
+            except Exception:
+                logger.exception("asking whether request %s was cancelled failed",
+                                 handle.request.request_id)
+                return False
 
     def _abort(self, request_id: str) -> None:
         output = self.engine.abort(request_id)
@@ -218,7 +235,7 @@ class AsyncEngine:
         while (item := self._outbox.get()) is not None:
             handle, output = item
             if output.finished:
-                with self._lock:
+                with self._watch_lock:
                     self._watched.pop(output.request_id, None)
             try:
                 handle.on_output(output)
@@ -237,14 +254,6 @@ class AsyncEngine:
                 self._send(handle, _error_output(handle.request, error))
             elif output is not None:
                 self._send(handle, output)
-
-
-def _asks_to_cancel(handle: _Handle) -> bool:
-    try:
-        return handle.is_cancelled()
-    except Exception:
-        logger.exception("asking whether request %s was cancelled failed", handle.request.request_id)
-        return False
 
 
 def _error_output(request: Request, error: str) -> RequestOutput:
