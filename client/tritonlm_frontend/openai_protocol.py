@@ -48,6 +48,7 @@ class _SamplingFields(_Lenient):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    stream_interval: int | None = None  # tokens per streamed chunk (fewer events, less CPU)
 
     def sampling(self) -> dict[str, Any]:
         """The engine's sampling keys for the fields this request set."""
@@ -74,7 +75,7 @@ class _SamplingFields(_Lenient):
 _PASSED_THROUGH = ("max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
                    "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty",
                    "min_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-                   "include_stop_str_in_output", "truncate_prompt_tokens")
+                   "include_stop_str_in_output", "truncate_prompt_tokens", "stream_interval")
 
 
 class ChatCompletionRequest(_SamplingFields):

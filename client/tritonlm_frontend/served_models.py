@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer
+from tritonclient.utils import InferenceServerException
 
 from tritonlm_client._core import defaults_from_parameters
 
@@ -83,7 +84,11 @@ class ModelCatalog:
         self.models: dict[str, ServedModel] = {}
 
     async def refresh(self) -> None:
-        names = await self.gateway.model_names()
+        try:
+            names = await self.gateway.model_names()
+        except InferenceServerException as exc:
+            raise APIError(503, f"tritonserver at {self.gateway.url} is unavailable: "
+                           f"{exc.message()}") from None
         models = {}
         for name in names:
             model = self.models.get(name)
@@ -96,7 +101,7 @@ class ModelCatalog:
 
     async def get(self, name: str | None) -> ServedModel:
         """The model named `name` (None: the only, or first, served model)."""
-        if name not in self.models or not self.models:
+        if (name is not None and name not in self.models) or not self.models:
             await self.refresh()  # a model may have been loaded since
         if name in TGI_PLACEHOLDER_NAMES and name not in self.models and len(self.models) == 1:
             name = None

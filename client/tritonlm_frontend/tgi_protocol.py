@@ -49,6 +49,7 @@ class GenerateParameters(_Lenient):
     watermark: bool | None = False
     grammar: Any = None
     adapter_id: str | None = None
+    ignore_eos: bool | None = None  # an extension (vLLM's key): benchmarks need exact lengths
 
     @property
     def wants_details(self) -> bool:
@@ -150,7 +151,7 @@ class GenerateParameters(_Lenient):
             values["seed"] = self.seed if self.seed is not None else random.randrange(MAX_SEED)
         else:
             values["temperature"] = 0.0
-        for key in ("repetition_penalty", "frequency_penalty", "stop"):
+        for key in ("repetition_penalty", "frequency_penalty", "stop", "ignore_eos"):
             if getattr(self, key):
                 values[key] = getattr(self, key)
         if self.max_new_tokens is not None:
