@@ -94,9 +94,9 @@ def test_sigterm_stops_the_server_while_a_client_holds_a_stream_open(smollm2_rep
         for _ in range(2):
             result, error = responses.get(timeout=60)
             assert error is None
-        tritonserver = _children(server.process.pid)
-        processes = tritonserver + [c for pid in tritonserver for c in _children(pid)]
-        assert len(processes) == 2  # tritonserver and the backend stub
+        launched = _children(server.process.pid)
+        processes = launched + [c for pid in launched for c in _children(pid)]
+        assert len(processes) == 3  # tritonserver, its backend stub and the HTTP front end
         server.process.send_signal(signal.SIGTERM)
         server.process.wait(timeout=2 + KILL_GRACE + 30)
         client.close()
