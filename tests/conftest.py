@@ -98,3 +98,12 @@ def smollm2_server(smollm2_repo, tmp_path_factory):
                              max_model_len=SERVED_MAX_MODEL_LEN)
     with start_server(repo) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def grpc(smollm2_server):
+    """tritonlm_client over the served SmolLM2's gRPC endpoint (the reference the HTTP front
+    end's routes are compared with)."""
+    from tritonlm_client import Client
+    with Client(smollm2_server.grpc_url) as client:
+        yield client

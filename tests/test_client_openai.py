@@ -4,18 +4,12 @@ settings, errors, cancellation."""
 import pytest
 
 from test_client import CLI, PROMPT, QUESTION, _wait_for_aborts, cli  # noqa: F401
-from tritonlm_client import Client, OpenAIClient, TritonLMError
+from tritonlm_client import OpenAIClient, TritonLMError
 from tritonlm_client.chat_defaults import CHAT_DEFAULTS
 
 pytestmark = pytest.mark.server
 
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def grpc(smollm2_server):
-    with Client(smollm2_server.grpc_url) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

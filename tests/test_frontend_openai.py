@@ -12,7 +12,6 @@ import torch
 
 from conftest import SERVED_KV_BLOCKS, SERVED_MAX_MODEL_LEN
 from test_server_errors import finished_line
-from tritonlm_client import Client
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "max_tokens": 24}
@@ -21,12 +20,6 @@ GREEDY = {"temperature": 0, "max_tokens": 24}
 @pytest.fixture(scope="module")
 def sdk(smollm2_server):
     return openai.OpenAI(base_url=f"{smollm2_server.frontend_url}/v1", api_key="none")
-
-
-@pytest.fixture(scope="module")
-def grpc(smollm2_server):
-    with Client(smollm2_server.grpc_url) as client:
-        yield client
 
 
 def test_chat_and_completions_greedy_equal_grpc(sdk, grpc, smollm2_tokenizer):

@@ -10,18 +10,11 @@ import torch
 from huggingface_hub import InferenceClient
 from text_generation import Client as TGIClient
 
-from tritonlm_client import Client
 
 PROMPT = "The capital of France is"
 CHAT_PROMPT = ("<|im_start|>user\nSay only the word yes.<|im_end|>\n"
                "<|im_start|>assistant\n")
 TIMEOUT = 300  # the shared test host can be slow
-
-
-@pytest.fixture(scope="module")
-def grpc(smollm2_server):
-    with Client(smollm2_server.grpc_url) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")
