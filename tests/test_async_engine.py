@@ -1,8 +1,10 @@
 """The engine thread: callbacks per delta, cancellation frees blocks, shutdown aborts in flight."""
 import threading
+import time
 
 import pytest
 
+from tritonlm.engine import async_engine as async_engine_module
 from tritonlm.engine.async_engine import AsyncEngine
 from tritonlm.sampling_params import SamplingParams
 
@@ -63,6 +65,38 @@ def test_cancellation_stops_the_request_and_frees_its_blocks(async_engine):
     assert len(collector.outputs) < 100
     assert blocks.num_free_blocks == blocks.num_blocks
     assert asked_on and "tritonlm-engine" not in asked_on
+
+
+def test_cancellation_is_never_asked_once_the_last_output_is_being_sent(async_engine,
+                                                                        monkeypatch):
+    """Triton frees a request's response factory when its final response is sent; asking
+    is_cancelled() after that reads freed memory (tritonserver died with SIGSEGV)."""
+    monkeypatch.setattr(async_engine_module, "CANCEL_POLL_INTERVAL", 0.0005)
+    monkeypatch.setattr(async_engine_module, "CANCEL_POLL_DUTY", 1.0)  # sweep without a pause
+    asked_after_final = []
+    collectors = []
+    for index in range(24):
+        final_sent = threading.Event()
+        collector = Collector()
+
+        def cancelled(final_sent=final_sent, index=index):
+            time.sleep(0.0005)  # a round trip to Triton: widens the window
+            if final_sent.is_set():
+                asked_after_final.append(index)
+            return False
+
+        def on_output(output, final_sent=final_sent, collector=collector):
+            if output.finished:
+                final_sent.set()
+            collector(output)
+        request = async_engine.engine.make_request(
+            f"r{index}", "Hi", SamplingParams(temperature=0, max_tokens=1 + index,
+                                              ignore_eos=True))
+        async_engine.submit(request, on_output, cancelled)
+        collectors.append(collector)
+    assert all(c.done.wait(120) for c in collectors)
+    time.sleep(0.05)  # the watcher's sweep in progress ends
+    assert asked_after_final == []
 
 
 def test_a_failing_callback_aborts_only_its_request(async_engine):
