@@ -1,5 +1,5 @@
-"""bfloat16 weights packed for a CPU matmul kernel (tritonlm's AVX512 kernel, multiplying with
-bf16 dot products or widened float32 FMAs; oneDNN's layout) compute what torch's F.linear computes
+"""bfloat16 weights packed for a CPU matmul kernel (tritonlm's kernel, multiplying with AVX512-BF16
+dot products or widened float32 FMAs in AVX512 or AVX2 registers; oneDNN's layout) compute what torch's F.linear computes
 on the plain weights: as close to float32 as F.linear itself, and the same greedy tokens and
 logprobs for SmolLM2."""
 import pytest
@@ -18,7 +18,7 @@ def _matmul_kernels():
 
 
 needs_bf16_matmul = pytest.mark.skipif(_matmul_kernels() is None,
-                                       reason="this CPU has no AVX512 (the kernel's registers)")
+                                       reason="this CPU has no AVX2 + FMA (the kernel's registers)")
 needs_onednn_bf16 = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                                        reason="oneDNN has no bfloat16 matmuls on this CPU")
 # How the kernel multiplies: bf16 dot products where the CPU has them, widened float32 FMAs.
@@ -159,7 +159,8 @@ TEXT = ("The history of the city begins in the Roman era, when a small settlemen
         "sum(values)\n    return total / len(values)\n")
 
 
-@needs_onednn_bf16
+@pytest.mark.skipif(cpu_gemm.prepack(torch.zeros(32, 32, dtype=torch.bfloat16), 32) is None,
+                    reason="no bfloat16 packing for this CPU")
 def test_bfloat16_engine_as_close_to_float32_with_prepacking_as_without(
         tmp_path, smollm2_tokenizer, monkeypatch):
     """Every prefix of a text, one greedy token each: against the same weights run in float32,

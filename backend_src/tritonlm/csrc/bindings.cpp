@@ -25,6 +25,7 @@ void write_kv_(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor&
 at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        bool gated, const std::optional<at::Tensor>& bias, int64_t activation,
                        bool widen);
+int64_t vector_lanes();
 double bf16_dot_product_speedup();
 bool has_bf16_matmul();
 bool has_bf16_dot_products();
@@ -72,7 +73,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "up] packed in pairs of 16 features) + bias [N] bfloat16 -> [M, N] bfloat16, or with an "
         "activation (0 silu, 1 gelu-tanh) on a gated weight act(gate) * up [M, N / 2]; widen: "
         "float32 FMAs on widened weights instead of AVX512-BF16 dot products "
-        "(has_bf16_dot_products); needs AVX512 (has_bf16_matmul)",
+        "(has_bf16_dot_products); needs AVX2 + FMA (has_bf16_matmul)",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("gated") = false,
         py::arg("bias") = py::none(), py::arg("activation") = -1, py::arg("widen") = false,
         nogil);
@@ -81,5 +82,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "accumulators (0 without AVX512-BF16): above 1, dot products multiply bf16 faster",
         nogil);
   m.attr("has_bf16_matmul") = has_bf16_matmul();
+  m.attr("vector_lanes") = vector_lanes();
   m.attr("has_bf16_dot_products") = has_bf16_dot_products();
 }

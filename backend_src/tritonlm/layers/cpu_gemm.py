@@ -6,6 +6,8 @@
   (Zen 4/5: dot products, twice the FLOPs; Intel Xeons: FMAs, twice the FLOPs of their dot
   products). Measured on Zen 4: 1.8-2x oneDNN at 1-4 rows, 1.2-1.3x at 32 (decode), equal at
   prompt sizes;
+- the same kernel's AVX2 build (widened FMAs in 8 lanes) on CPUs without AVX512, where oneDNN
+  has no bf16 matmul and PyTorch's runs under 1 GFLOPS;
 - oneDNN's blocked layout elsewhere: AMX tiles, which an AVX512 kernel cannot match on prompts,
   bf16 emulated on plain AVX512 (not measured against our FMAs), or no built kernels.
 
@@ -113,7 +115,7 @@ def prepack(weight: torch.Tensor, batch_hint: int, gated: bool = False) -> Packe
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
     kernels = cpu_kernels.load()
-    if (kernels is not None and kernels.has_bf16_dot_products
+    if (kernels is not None and (kernels.has_bf16_dot_products or kernels.vector_lanes == 8)
             and "amx_bf16" not in cpu_kernels.cpu_flags()):
         return PairBlockWeight(weight, kernels, gated)
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
