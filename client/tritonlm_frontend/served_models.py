@@ -32,6 +32,16 @@ class ServedModel:
     created: int
     tokenizer: Tokenizer | None = None
     special_token_ids: frozenset[int] = frozenset()
+    device_type: str = "cpu"
+
+    @classmethod
+    def from_config(cls, name: str, config: dict) -> "ServedModel":
+        """From the model's Triton configuration: its parameters (architecture, max_model_len,
+        dtype...) and its instances' device."""
+        parameters = {key: value.get("string_value", "")
+                      for key, value in config.get("parameters", {}).items()}
+        on_gpu = any(group.get("kind") == "KIND_GPU" for group in config.get("instance_group", []))
+        return cls(name, parameters, int(time.time()), device_type="cuda" if on_gpu else "cpu")
 
     @property
     def sampling_defaults(self) -> dict:
@@ -93,7 +103,7 @@ class ModelCatalog:
         for name in names:
             model = self.models.get(name)
             if model is None:
-                model = ServedModel(name, await self.gateway.model_parameters(name), int(time.time()))
+                model = ServedModel.from_config(name, await self.gateway.model_config(name))
                 if self.repository is not None:
                     _read_files(model, self.repository)
             models[name] = model

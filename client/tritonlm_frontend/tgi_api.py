@@ -231,7 +231,7 @@ async def info(request: Request):
     max_total = model.max_model_len
     return {
         "model_id": model.name, "model_sha": None, "model_pipeline_tag": "text-generation",
-        "model_dtype": model.parameters.get("dtype"), "model_device_type": "cpu",
+        "model_dtype": model.parameters.get("dtype"), "model_device_type": model.device_type,
         "max_concurrent_requests": MAX_CONCURRENT_REQUESTS, "max_best_of": MAX_BEST_OF,
         "max_stop_sequences": MAX_STOP_SEQUENCES, "max_top_n_tokens": MAX_TOP_N_TOKENS,
         "max_input_tokens": max_total - 1 if max_total else None,

@@ -190,11 +190,9 @@ class TritonGateway:
         index = await self.client.get_model_repository_index(as_json=True)
         return [m["name"] for m in index.get("models", []) if m.get("state") == "READY"]
 
-    async def model_parameters(self, model: str) -> dict[str, str]:
-        """The `parameters` of a model's config.pbtxt (architecture, max_model_len, dtype...)."""
-        config = await self.client.get_model_config(model, as_json=True)
-        params = config.get("config", {}).get("parameters", {})
-        return {key: value.get("string_value", "") for key, value in params.items()}
+    async def model_config(self, model: str) -> dict:
+        """A model's configuration as Triton serves it (config.pbtxt as JSON)."""
+        return (await self.client.get_model_config(model, as_json=True)).get("config", {})
 
     async def is_ready(self) -> bool:
         try:
