@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tritonlm.layers import cpu_kernels
 from tritonlm.layers.quantization import QuantizedWeight, dequantize, pack_int4
-from tritonlm.layers.quantized_matmul import Int4Groups
+from tritonlm.layers.quantized_matmul import Int4Groups, Int8PairBlocks
 
 OUT, IN = 80, 224  # int4 groups of 64 and 128 leave a shorter last group
 
@@ -73,3 +74,26 @@ def test_other_layouts_dequantize_for_each_matmul(bits, group_size, rows):
     got = layer.matmul(x, None)
     assert layer.fused is None
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not getattr(cpu_kernels.load(), "has_bf16_matmul", False),
+                    reason="no AVX2 + FMA: torch's int8 kernel runs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 13, 200])
+@pytest.mark.parametrize("out_features,in_features", [(50, 33), (96, 224), (7, 1)])
+def test_int8_rows_run_our_packed_kernel_for_any_shape(dtype, rows, out_features, in_features):
+    """Rows around the kernel's row tiles (3 or 12) and 192-row chunks, features short of its
+    32-column blocks, odd inputs (the last one pairs with padding); the packed copy replaces the
+    storage."""
+    torch.manual_seed(rows + in_features)
+    layer = QuantizedWeight(out_features, in_features, 8, 1, False, None)
+    layer.qweight.data = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
+    layer.scales.data = torch.rand(out_features, 1) * 0.02 + 0.001
+    layer.g_idx.data = torch.zeros(in_features, dtype=torch.int32)
+    x = torch.randn(rows, in_features + 2)[:, 1:1 + in_features]  # rows with a stride
+    expected = reference(layer, x, None)
+    got = layer.matmul(x.to(dtype), None)
+    assert isinstance(layer.fused, Int8PairBlocks) and layer.qweight.numel() == 0
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7 * expected.abs().max().item()
+    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=1e-4)

@@ -53,9 +53,7 @@ class PairBlockWeight:
         self.out_features, self.in_features = weight.shape
         self.gated, self.kernels = gated, kernels
         self.widen = widen_for_this_cpu(kernels) if widen is None else widen
-        rows = _block_rows(self.out_features, gated)
-        padded = F.pad(weight.detach(), (0, self.in_features % 2, 0, 1))[rows]  # row N: zeros
-        self.data = padded.view(-1, self.block, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
+        self.data = pack_pair_blocks(weight, gated)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
                activation: int | None = None) -> torch.Tensor:
@@ -77,6 +75,13 @@ class PairBlockWeight:
         dense = packed.new_empty(self.out_features, self.in_features)
         dense[rows[valid]] = packed[valid, :self.in_features]
         return dense
+
+
+def pack_pair_blocks(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """weight [N, K] (any dtype) as [blocks, ceil(K/2), 32, 2] (PairBlockWeight's layout)."""
+    rows = _block_rows(weight.shape[0], gated)
+    padded = F.pad(weight.detach(), (0, weight.shape[1] % 2, 0, 1))[rows]  # row N: zeros
+    return padded.view(-1, PairBlockWeight.block, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
 
 
 def _block_rows(out_features: int, gated: bool) -> torch.Tensor:

@@ -104,7 +104,7 @@ class QuantizedWeight(nn.Module):
         args = (self.qweight, self.scales, self.biases, self.g_idx)
         self.fused = (quantized_matmul.cuda_matmul(*args)
                       or quantized_matmul.cpu_matmul(self.qweight, self.values, *args[1:], dtype))
-        if isinstance(self.fused, quantized_matmul.Int4Groups):  # holds its own copy
+        if getattr(self.fused, "owns_weight", False):
             empty = torch.empty(0)
             self.qweight, self.scales = nn.Parameter(empty.to(torch.uint8), False), None
             self.biases = None

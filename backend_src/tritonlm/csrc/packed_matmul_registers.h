@@ -1,0 +1,111 @@
+// The registers the packed matmul (packed_matmul.h) computes in, as this build targets them:
+// the only code that differs between vector widths.
+#pragma once
+#include "cpu_vec.h"
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+
+#include <cstring>
+
+namespace tritonlm {
+namespace packed_matmul {
+
+// The registers a tile computes in, as this build targets them: AVX512 (16 float32 lanes) or AVX2
+// + FMA (8). The tiling, the task schedule and the epilogue are written once over these; only the
+// width differs.
+#ifdef CPU_CAPABILITY_AVX512
+struct Avx512 {
+  using F = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int kMaxRows = 12;  // 24 accumulators + the weight registers (32 in all)
+  static F zero() { return _mm512_setzero_ps(); }
+  static F splat(float v) { return _mm512_set1_ps(v); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  // kLanes feature pairs (2 * kLanes bf16) as float32: the even-k weights and the odd-k ones.
+  static void widen_pairs(const uint16_t* w, F& even, F& odd) {
+    const __m512i pairs = _mm512_loadu_si512(w);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    odd = _mm512_castsi512_ps(
+        _mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+  }
+  static void widen_pairs(const int8_t* w, F& even, F& odd) {
+    const __m512i pairs = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+    even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16));
+    odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs, 16));
+  }
+  static F load(const uint16_t* p, int64_t n) {  // bfloat16
+    return widen_bf16(_mm256_maskz_loadu_epi16(first_lanes(n), p));
+  }
+  static F load(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first_lanes(n), p); }
+  static void store(uint16_t* p, F v, int64_t n) {
+    _mm256_mask_storeu_epi16(p, first_lanes(n), narrow_bf16(v));
+  }
+  static void store(float* p, F v, int64_t n) { _mm512_mask_storeu_ps(p, first_lanes(n), v); }
+  static F round_bf16(F v) { return rounded<c10::BFloat16>(v); }
+  template <int kAct>
+  static F activate(F x) { return tritonlm::activate<kAct>(Vec(x)); }
+};
+using Native = Avx512;
+#else
+struct Avx2 {
+  using F = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int kMaxRows = 3;  // 12 accumulators; one vector's weights widened at a time
+  static F zero() { return _mm256_setzero_ps(); }
+  static F splat(float v) { return _mm256_set1_ps(v); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static void widen_pairs(const uint16_t* w, F& even, F& odd) {
+    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+    odd = _mm256_castsi256_ps(
+        _mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+  }
+  static void widen_pairs(const int8_t* w, F& even, F& odd) {
+    const __m256i pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16));
+    odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(pairs, 16));
+  }
+  static __m256i first_lanes(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static F load(const float* p, int64_t n) { return _mm256_maskload_ps(p, first_lanes(n)); }
+  static void store(float* p, F v, int64_t n) { _mm256_maskstore_ps(p, first_lanes(n), v); }
+  static F load(const uint16_t* p, int64_t n) {  // bfloat16
+    alignas(16) uint16_t lanes[kLanes] = {};
+    std::memcpy(lanes, p, n * sizeof(uint16_t));
+    const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(lanes));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+  }
+  // float32 bits rounded to bfloat16 precision (nearest even, NaN kept), the low 16 bits zero.
+  static __m256i round_bits(F v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(_mm256_and_si256(up, _mm256_set1_epi32(
+                                  static_cast<int32_t>(0xFFFF0000u))),
+                              _mm256_set1_epi32(0x7FC00000), nan);
+  }
+  static void store(uint16_t* p, F v, int64_t n) {  // bfloat16
+    const __m256i high = _mm256_srli_epi32(round_bits(v), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0x08);
+    alignas(16) uint16_t lanes[kLanes];
+    _mm_store_si128(reinterpret_cast<__m128i*>(lanes), _mm256_castsi256_si128(packed));
+    std::memcpy(p, lanes, n * sizeof(uint16_t));
+  }
+  static F round_bf16(F v) { return _mm256_castsi256_ps(round_bits(v)); }
+  template <int kAct>
+  static F activate(F x) { return tritonlm::activate<kAct>(Vec(x)); }
+};
+using Native = Avx2;
+#endif
+
+}  // namespace packed_matmul
+}  // namespace tritonlm
+
+#endif
