@@ -23,7 +23,7 @@ struct Avx512 {
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  // kLanes feature pairs (2 * kLanes bf16) as float32: the even-k weights and the odd-k ones.
+  // kLanes feature pairs (2 * kLanes bf16 or int8) as float32: the even-k weights, the odd-k ones.
   static void widen_pairs(const uint16_t* w, F& even, F& odd) {
     const __m512i pairs = _mm512_loadu_si512(w);
     even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
@@ -31,7 +31,8 @@ struct Avx512 {
         _mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
   }
   static void widen_pairs(const int8_t* w, F& even, F& odd) {
-    const __m512i pairs = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+    const __m512i pairs =
+        _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
     even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16));
     odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs, 16));
   }
@@ -65,7 +66,8 @@ struct Avx2 {
         _mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
   }
   static void widen_pairs(const int8_t* w, F& even, F& odd) {
-    const __m256i pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m256i pairs =
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16));
     odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(pairs, 16));
   }
