@@ -1,14 +1,16 @@
-"""Quantized linear layers multiply with torch's fused CPU kernels where those take the layout,
-and give what a matmul on the dequantized weight gives; other layouts dequantize per matmul."""
+"""Quantized linear layers multiply with a fused CPU kernel where one takes the layout (ours with
+AVX2 or AVX512, else torch's), and give what a matmul on the dequantized weight gives; other
+layouts dequantize per matmul."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tritonlm.layers import cpu_kernels
 from tritonlm.layers.quantization import QuantizedWeight, dequantize, pack_int4
-from tritonlm.layers.quantized_matmul import Int4Groups, Int8PairBlocks
+from tritonlm.layers.quantized_matmul import Int4Groups, PairBlocks
 
 OUT, IN = 80, 224  # int4 groups of 64 and 128 leave a shorter last group
+OURS = getattr(cpu_kernels.load(), "has_bf16_matmul", False)  # else torch's kernels run
 
 
 def storage(bits: int, group_size: int, act_order: bool = False, biases: bool = True,
@@ -58,14 +60,20 @@ def test_fused_cpu_kernels_equal_the_dequantized_matmul(layout, dtype):
 def test_fused_int4_holds_the_only_copy_of_the_weight():
     layer = storage(4, 32)
     layer.matmul(torch.randn(3, IN), None)
-    assert isinstance(layer.fused, Int4Groups)
+    assert isinstance(layer.fused, PairBlocks if OURS else Int4Groups)
     assert layer.qweight.numel() == 0 and layer.scales is None and layer.biases is None
-    assert layer.fused.packed.numel() * layer.fused.packed.element_size() == OUT * IN // 2
+    rows = -(-OUT // 32) * 32 if OURS else OUT  # ours packs blocks of 32 output features
+    assert layer.fused.packed.numel() * layer.fused.packed.element_size() == rows * IN // 2
     assert layer.fused.padding == 0
 
 
-@pytest.mark.parametrize("bits,group_size,rows", [(4, 48, OUT), (4, 32, 72), (4, 96, OUT),
-                                                   (8, 32, OUT)])
+# (bits, group size, rows) no fused kernel of this host takes: ours needs an even group size
+# (or one group), torch's int4 groups of 32-256 and rows in 16s, its int8 one scale per row.
+UNFUSED = [(4, 7, OUT), (8, 7, OUT)] if OURS else [(4, 48, OUT), (4, 32, 72), (4, 96, OUT),
+                                                    (8, 32, OUT)]
+
+
+@pytest.mark.parametrize("bits,group_size,rows", UNFUSED)
 def test_other_layouts_dequantize_for_each_matmul(bits, group_size, rows):
     torch.manual_seed(0)
     layer = storage(bits, group_size, biases=bits == 4, rows=rows)
@@ -76,24 +84,45 @@ def test_other_layouts_dequantize_for_each_matmul(bits, group_size, rows):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not getattr(cpu_kernels.load(), "has_bf16_matmul", False),
-                    reason="no AVX2 + FMA: torch's int8 kernel runs")
+LAYOUTS = {  # name -> (bits, group size or None: one scale per row, act-order, biases)
+    "int8-rows": (8, None, False, False),
+    "int8-g6-biases": (8, 6, False, True),
+    "int4-g32-act-order": (4, 32, True, True),
+    "int4-g16-symmetric": (4, 16, False, False),
+    "int4-one-group": (4, None, False, True),
+}
+
+
+@pytest.mark.skipif(not OURS, reason="no AVX2 + FMA: torch's kernels run")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 13, 200])
-@pytest.mark.parametrize("out_features,in_features", [(50, 33), (96, 224), (7, 1)])
-def test_int8_rows_run_our_packed_kernel_for_any_shape(dtype, rows, out_features, in_features):
-    """Rows around the kernel's row tiles (3 or 12) and 192-row chunks, features short of its
-    32-column blocks, odd inputs (the last one pairs with padding); the packed copy replaces the
-    storage."""
+@pytest.mark.parametrize("out_features,in_features", [(50, 34), (96, 224), (7, 2), (40, 33)])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_our_packed_kernel_takes_any_shape(layout, dtype, rows, out_features, in_features):
+    """Rows around the kernel's row tiles (3 or 12; a prompt's several tiles share a block widened
+    once) and 192-row chunks, features short of its 32-column blocks, an odd input (the last one
+    pairs with padding), groups shorter at the end; the packed copy replaces the storage."""
+    bits, group_size, act_order, biases = LAYOUTS[layout]
+    if bits == 4 and in_features % 2:
+        pytest.skip("4-bit storage packs input columns in pairs")
     torch.manual_seed(rows + in_features)
-    layer = QuantizedWeight(out_features, in_features, 8, 1, False, None)
-    layer.qweight.data = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
-    layer.scales.data = torch.rand(out_features, 1) * 0.02 + 0.001
-    layer.g_idx.data = torch.zeros(in_features, dtype=torch.int32)
+    group_size = group_size or in_features
+    groups = -(-in_features // group_size)
+    layer = QuantizedWeight(out_features, in_features, bits, groups, biases, None)
+    if bits == 4:
+        layer.qweight.data = pack_int4(torch.randint(0, 16, (out_features, in_features)))
+    else:
+        layer.qweight.data = torch.randint(-127, 128, (out_features, in_features),
+                                           dtype=torch.int8)
+    layer.scales.data = torch.rand(out_features, groups) * 0.02 + 0.001
+    if biases:
+        layer.biases.data = torch.randn(out_features, groups) * 0.1
+    g_idx = torch.arange(in_features) // group_size
+    layer.g_idx.data = (g_idx[torch.randperm(in_features)] if act_order else g_idx).int()
     x = torch.randn(rows, in_features + 2)[:, 1:1 + in_features]  # rows with a stride
     expected = reference(layer, x, None)
     got = layer.matmul(x.to(dtype), None)
-    assert isinstance(layer.fused, Int8PairBlocks) and layer.qweight.numel() == 0
+    assert isinstance(layer.fused, PairBlocks) and layer.qweight.numel() == 0
     assert got.dtype == dtype and got.shape == (rows, out_features)
     tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7 * expected.abs().max().item()
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=1e-4)

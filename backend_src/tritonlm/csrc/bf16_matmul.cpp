@@ -69,12 +69,12 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   auto* os = reinterpret_cast<uint16_t*>(out.data_ptr());
   const Shape shape{m, out_features, out_cols, half, blocks, gated};
   if (widen) {
-    run_tasks<WidenedFma<Native, uint16_t>>(even, ws, packed.size(1), nullptr, bs, os, shape,
+    run_tasks<WidenedFma<Native, uint16_t>>(even, ws, packed.size(1), {}, bs, os, shape,
                                             activation);
     return out;
   }
 #ifdef __AVX512BF16__
-  run_tasks<DotProducts>(even, ws, packed.size(1), nullptr, bs, os, shape, activation);
+  run_tasks<DotProducts>(even, ws, packed.size(1), {}, bs, os, shape, activation);
 #else
   TORCH_CHECK(false, "bf16_matmul: this build has no AVX512-BF16 dot products (widen=True runs)");
 #endif

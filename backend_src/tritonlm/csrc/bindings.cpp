@@ -26,8 +26,10 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t ou
                        bool gated, const std::optional<at::Tensor>& bias, int64_t activation,
                        bool widen);
 int64_t vector_lanes();
-at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                       int64_t out_features, const std::optional<at::Tensor>& bias);
+at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
+                            const std::optional<at::Tensor>& row_scales,
+                            const std::optional<at::Tensor>& groups, int64_t out_features,
+                            const std::optional<at::Tensor>& bias);
 double bf16_dot_product_speedup();
 bool has_bf16_matmul();
 bool has_bf16_dot_products();
@@ -79,12 +81,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("gated") = false,
         py::arg("bias") = py::none(), py::arg("activation") = -1, py::arg("widen") = false,
         nogil);
-  m.def("int8_matmul", &int8_matmul,
-        "x [M, K] float32 or bfloat16 @ an int8 weight [N, K] packed as bf16_matmul's, times "
-        "scales [N] float32 per feature, + bias [N] of x's dtype -> [M, N] of x's dtype; needs "
-        "AVX2 + FMA (has_bf16_matmul)",
-        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("out_features"),
-        py::arg("bias") = py::none(), nogil);
+  m.def("quantized_matmul", &quantized_matmul,
+        "x [M, K] float32 or bfloat16 @ a quantized weight [N, K] + bias [N] of x's dtype -> "
+        "[M, N] of x's dtype. The weight packed as bf16_matmul's: int8 [blocks, ceil(K/2), 32, 2] "
+        "or 4-bit pairs uint8 [blocks, ceil(K/2), 32] (even k in the low nibble); dequantized "
+        "by row_scales [N] float32 (int8) or by groups [blocks, G, 2, 32] float32 (per group "
+        "of ceil(K/2) / G pairs a scale and a bias per packed feature: w = q * scale + bias); "
+        "needs AVX2 + FMA (has_bf16_matmul)",
+        py::arg("x"), py::arg("packed"), py::arg("row_scales"), py::arg("groups"),
+        py::arg("out_features"), py::arg("bias") = py::none(), nogil);
   m.def("bf16_dot_product_speedup", &bf16_dot_product_speedup,
         "float32 FLOPs per second of vdpbf16ps over FMAs on one core, each measured on independent "
         "accumulators (0 without AVX512-BF16): above 1, dot products multiply bf16 faster",

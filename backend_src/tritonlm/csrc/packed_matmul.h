@@ -1,12 +1,14 @@
-// The packed-weight matmul's tiling, shared by the bfloat16 (bf16_matmul.cpp) and int8
-// (int8_matmul.cpp) weights. Weights are packed once (tritonlm/layers/cpu_gemm.py) as
-// [blocks, ceil(K/2), 32, 2]: per block of 32 output features, K/2 feature pairs of 32 columns x 2
-// consecutive k, so each block streams from memory in order.
+// The packed-weight matmul's tiling, shared by the bfloat16 (bf16_matmul.cpp) and quantized
+// (quantized_matmul.cpp: int8, 4 bits) weights. Weights are packed once (tritonlm/layers/
+// cpu_gemm.py) as [blocks, ceil(K/2), 32, 2]: per block of 32 output features, K/2 feature pairs
+// of 32 columns x 2 consecutive k (4 bits: a pair in one byte), so each block streams from memory
+// in order.
 // A block's first 16 columns are its "low" features, the next 16 its "high" ones: features
 // 32j.. and 32j+16.. of a plain weight; in a gated one ([gate; up], I features each) gate features
 // 16j.. and the up features I+16j.., so a tile can write act(gate) * up straight away.
-// A tile of up to 12 rows x 32 columns (AVX512; 3 rows with AVX2's 16 registers) keeps its
-// float32 accumulators in registers and reads every weight byte once per tile.
+// A tile of up to 12 rows x 32 columns (AVX512; 3 rows with AVX2's 16 registers; fewer for
+// grouped weights, which also keep a group's sums) keeps its float32 accumulators in registers
+// and reads every weight byte once per tile.
 #pragma once
 #include "packed_matmul_registers.h"
 
@@ -15,7 +17,9 @@
 
 #include <array>
 #include <cstring>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace tritonlm {
 namespace packed_matmul {
@@ -50,6 +54,8 @@ struct DotProducts {
   using X = uint16_t;
   using W = uint16_t;
   using Isa = Avx512;
+  static constexpr bool kGroups = false;
+  static constexpr bool kPrewidens = false;
   template <int R>
   static void accumulate(__m512 (&acc)[R][2], const uint16_t* w, const X* x, int64_t x_stride) {
     const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + kBlock);
@@ -65,18 +71,38 @@ struct DotProducts {
 };
 #endif
 
-template <typename I, typename Weight>
+// Elements of W per lane of a pair row: a pair of bf16, int8 or widened float32 values; one
+// Int4Pair.
+template <typename W>
+constexpr int64_t kLaneElems = std::is_same_v<W, Int4Pair> ? 1 : 2;
+template <typename W>
+constexpr int64_t kPairElems = kBlock * kLaneElems<W>;
+
+// kGrouped: each group of input features has its own scale and bias per output feature
+// (w = q * scale + bias): a tile sums q * x over a group, then adds scale * sum + bias * (x's
+// sum over the group), so widening a weight costs no more than for bf16 or int8 rows. Else the
+// weights are the values (bf16) or a per-feature scale multiplies the sums (int8 rows).
+template <typename I, typename Weight, bool kGrouped = false>
 struct WidenedFma {
   using X = float;
   using W = Weight;
   using Isa = I;
   using F = typename I::F;
   static constexpr int V = kVecs<I>;
+  static constexpr bool kGroups = kGrouped;
+  // Whether a prompt's row tiles multiply a block widened once instead: quantized weights,
+  // where widening costs more than a float32 load (bf16 measured slower so on Zen 1).
+  static constexpr bool kPrewidens = std::is_same_v<Weight, int8_t> ||
+                                     std::is_same_v<Weight, Int4Pair>;
+  // Register v's lanes of a pair row as float32 (the stored values, not dequantized).
+  static void widen(const W* w, int v, F& even, F& odd) {
+    I::widen_pairs(w + v * I::kLanes * kLaneElems<W>, even, odd);
+  }
   template <int R>
   static void accumulate(F (&acc)[R][V], const W* w, const X* x, int64_t x_stride) {
     if constexpr (V <= 2) {  // the pair row widened once, each row's x broadcast once
       F even[V], odd[V];
-      for (int v = 0; v < V; ++v) I::widen_pairs(w + v * 2 * I::kLanes, even[v], odd[v]);
+      for (int v = 0; v < V; ++v) widen(w, v, even[v], odd[v]);
 #pragma GCC unroll 12
       for (int r = 0; r < R; ++r) {
         const F xe = I::splat(x[r * x_stride]), xo = I::splat(x[r * x_stride + 1]);
@@ -86,7 +112,7 @@ struct WidenedFma {
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v) {
         F even, odd;
-        I::widen_pairs(w + v * 2 * I::kLanes, even, odd);
+        widen(w, v, even, odd);
 #pragma GCC unroll 12
         for (int r = 0; r < R; ++r)
           acc[r][v] = I::fma(I::splat(x[r * x_stride]), even,
@@ -95,6 +121,14 @@ struct WidenedFma {
     }
   }
 };
+
+// Asks for the cache lines of one pair row.
+template <int kHint, typename W>
+inline void prefetch_pair(const W* row) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < kPairElems<W> * static_cast<int64_t>(sizeof(W)); b += 64)
+    _mm_prefetch(bytes + b, static_cast<_mm_hint>(kHint));
+}
 
 // O: the output's element, float or bfloat16 (uint16_t).
 template <typename Mul, typename O>
@@ -105,6 +139,10 @@ struct Tile {
   int64_t pairs;
   const float* scale_low;  // the low and high features' first scales (int8 rows), or null
   const float* scale_high;
+  const float* groups;  // Mul::kGroups: the block's [groups, 2, 32] scales and biases
+  int64_t group_pairs;  // pairs per group
+  const float* x_sums;  // Mul::kGroups: row 0's sums of x over each group, rows x_sums_stride apart
+  int64_t x_sums_stride;
   const O* bias_low;  // the low and high features' first bias values, or null
   const O* bias_high;
   O* out_low;   // first row's outputs of the low and high features (act(gate) * up: low)
@@ -125,24 +163,39 @@ void matmul_tile(const Tile<Mul, O>& t) {
   using I = typename Mul::Isa;
   using F = typename I::F;
   constexpr int V = kVecs<I>, H = V / 2;
+  using W = typename Mul::W;
   F acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = I::zero();
-  for (int64_t p = 0; p < t.pairs; ++p) {
-    const typename Mul::W* w = t.w + p * 2 * kBlock;
-    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchPairs * 2 * kBlock), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchPairs * 2 * kBlock + kBlock),
-                 _MM_HINT_T0);
-    if (t.streams) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + kStreamAheadPairs * 2 * kBlock), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(w + kStreamAheadPairs * 2 * kBlock + kBlock),
-                   _MM_HINT_T1);
+  auto add_pairs = [&](F (&sums)[R][V], int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const W* w = t.w + p * kPairElems<W>;
+      prefetch_pair<_MM_HINT_T0>(w + kPrefetchPairs * kPairElems<W>);
+      if (t.streams) prefetch_pair<_MM_HINT_T1>(w + kStreamAheadPairs * kPairElems<W>);
+      if (t.next) {
+        const char* line = t.next + p * t.next_bytes_per_pair;
+        for (int64_t b = 0; b < t.next_bytes_per_pair; b += 64) _mm_prefetch(line + b, _MM_HINT_T1);
+      }
+      Mul::template accumulate<R>(sums, w, t.x + 2 * p, t.x_stride);
     }
-    if (t.next) {
-      const char* line = t.next + p * t.next_bytes_per_pair;
-      for (int64_t b = 0; b < t.next_bytes_per_pair; b += 64) _mm_prefetch(line + b, _MM_HINT_T1);
+  };
+  if constexpr (Mul::kGroups) {
+    const float* group = t.groups;
+    for (int64_t g = 0; g * t.group_pairs < t.pairs; ++g, group += 2 * kBlock) {
+      F sums[R][V];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < V; ++v) sums[r][v] = I::zero();
+      add_pairs(sums, g * t.group_pairs, (g + 1) * t.group_pairs);
+      for (int v = 0; v < V; ++v) {
+        const F scale = I::load(group + v * I::kLanes);
+        const F bias = I::load(group + kBlock + v * I::kLanes);
+        for (int r = 0; r < R; ++r)
+          acc[r][v] = I::fma(sums[r][v], scale,
+                             I::fma(I::splat(t.x_sums[r * t.x_sums_stride + g]), bias, acc[r][v]));
+      }
     }
-    Mul::template accumulate<R>(acc, w, t.x + 2 * p, t.x_stride);
+  } else {
+    add_pairs(acc, 0, t.pairs);
   }
   int64_t cols[V];  // valid lanes of each register
   F bias[V], scale[V];
@@ -178,7 +231,7 @@ constexpr std::array<TileFn<Mul, O>, sizeof...(R)> tile_table(std::integer_seque
   return {&matmul_tile<Mul, O, R + 1, kAct>...};
 }
 template <typename Mul>
-constexpr int kTileRows = Mul::Isa::kMaxRows;
+constexpr int kTileRows = Mul::kGroups ? Mul::Isa::kMaxGroupedRows : Mul::Isa::kMaxRows;
 template <typename Mul>
 constexpr auto kRowCounts = std::make_integer_sequence<int, kTileRows<Mul>>{};
 // [activation + 1][rows - 1]; activations only on bfloat16 outputs
@@ -192,42 +245,105 @@ struct Shape {
   bool gated;
 };
 
-// x [m, 2 * pairs] as Mul multiplies it, the packed weight, per-feature scales or null, the bias
-// or null, out [m, out_cols].
+// How a quantized weight's integers become its values (both null for bfloat16 weights).
+struct Dequant {
+  const float* row_scales;  // [out_features]: a scale per feature, applied to its sums
+  const float* groups;      // [blocks, groups, 2, 32]: Mul::kGroups' scales and biases
+  int64_t group_pairs;      // pairs per group
+  const float* x_sums;      // [m, groups]: x's sum over each group
+};
+
+template <typename T>
+struct Type {
+  using type = T;
+};
+
+// A block's pair rows widened and dequantized to float32 at `out` [pairs, 64], in the order
+// WidenedFma<Isa, float> reads them (int8 rows keep their values: the tiles scale the sums).
+template <typename Mul>
+void prewiden(const typename Mul::W* w, int64_t pairs, const float* groups, int64_t group_pairs,
+              float* out) {
+  using I = typename Mul::Isa;
+  using W = typename Mul::W;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const W* row = w + p * kPairElems<W>;
+    prefetch_pair<_MM_HINT_T0>(row + kPrefetchPairs * kPairElems<W>);
+    const float* group = Mul::kGroups ? groups + p / group_pairs * 2 * kBlock : nullptr;
+    for (int v = 0; v < Mul::V; ++v) {
+      typename I::F even, odd;
+      Mul::widen(row, v, even, odd);
+      if constexpr (Mul::kGroups) {
+        const auto scale = I::load(group + v * I::kLanes);
+        const auto bias = I::load(group + kBlock + v * I::kLanes);
+        even = I::fma(even, scale, bias);
+        odd = I::fma(odd, scale, bias);
+      }
+      I::store(out + p * 2 * kBlock + v * 2 * I::kLanes, even);
+      I::store(out + p * 2 * kBlock + v * 2 * I::kLanes + I::kLanes, odd);
+    }
+  }
+}
+
+// x [m, 2 * pairs] as Mul multiplies it, the packed weight, how to dequantize it, the bias or
+// null, out [m, out_cols].
 template <typename Mul, typename O>
-void run_tasks(const at::Tensor& x, const typename Mul::W* ws, int64_t pairs, const float* ss,
+void run_tasks(const at::Tensor& x, const typename Mul::W* ws, int64_t pairs, const Dequant& d,
                const O* bs, O* os, const Shape& s, int64_t activation) {
+  using W = typename Mul::W;
+  using Wide = WidenedFma<typename Mul::Isa, float>;
   const auto* xs = reinterpret_cast<const typename Mul::X*>(x.data_ptr());
-  const auto& tiles = kTiles<Mul, O>[activation + 1];
-  const int64_t m = s.m, half = s.half, block_elems = pairs * 2 * kBlock;
+  const int64_t m = s.m, half = s.half, block_elems = pairs * kPairElems<W>;
+  const int64_t groups_per_block = d.groups ? pairs / d.group_pairs : 0;
   const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
   // Tasks run chunk-major: a thread's consecutive tasks reuse one chunk of x from L2 while the
   // weight blocks stream by.
   auto run_task = [&](int64_t task) {
     const int64_t chunk = task / s.blocks, block = task % s.blocks;
     const int64_t row0 = chunk * kChunkRows, rows = std::min(kChunkRows, m - row0);
-    const int64_t row_tiles = (rows + kTileRows<Mul> - 1) / kTileRows<Mul>;
-    const int64_t per_tile = (rows + row_tiles - 1) / row_tiles;  // 32 rows: 11, 11, 10
     const int64_t low = block * (s.gated ? 16 : kBlock);  // the block's first low feature
     const int64_t cols_low = std::min<int64_t>(16, (s.gated ? half : s.out_features) - low);
     const int64_t cols_high = std::min<int64_t>(16, s.out_features - low - half);
-    // The first tile streams the block from memory; the others compute from cache, so with x in
-    // one chunk they pull the next block into L2 meanwhile, a share each, and the memory does not
-    // idle (32 rows: the 30 SmolLM2 layers' matmuls 11.1 -> 10.4 ms on Zen 5).
-    const bool fetch_next = chunks == 1 && row_tiles > 1 && block + 1 < s.blocks;
-    constexpr int64_t kPairBytes = 2 * kBlock * sizeof(typename Mul::W);
-    const int64_t next_per_pair = fetch_next ? (kPairBytes + row_tiles - 2) / (row_tiles - 1) : 0;
-    for (int64_t r = row0, i = 0; r < row0 + rows; r += per_tile, ++i) {
-      const int64_t n = std::min(per_tile, row0 + rows - r);
-      O* out_row = os + r * s.out_cols;
-      const char* next = fetch_next && i > 0 ? reinterpret_cast<const char*>(
-          ws + (block + 1) * block_elems) + (i - 1) * pairs * next_per_pair : nullptr;
-      tiles[n - 1]({xs + r * x.stride(0), x.stride(0), ws + block * block_elems, pairs,
-                    ss ? ss + low : nullptr, ss ? ss + low + half : nullptr,
-                    bs ? bs + low : nullptr, bs ? bs + low + half : nullptr,
-                    out_row + low, out_row + low + half, s.out_cols, cols_low, cols_high,
-                    row_tiles == 1, next, next_per_pair});
+    const float* ss = d.row_scales;
+    const W* w = ws + block * block_elems;
+    const float* groups = d.groups ? d.groups + block * groups_per_block * 2 * kBlock : nullptr;
+    // The chunk's rows in tiles of M's rows, multiplying the block at `wm`.
+    auto run_tiles = [&](auto type, const auto* wm) {
+      using M = typename decltype(type)::type;
+      const int64_t row_tiles = (rows + kTileRows<M> - 1) / kTileRows<M>;
+      const int64_t per_tile = (rows + row_tiles - 1) / row_tiles;  // 32 rows: 11, 11, 10
+      // The first tile streams the block from memory; the others compute from cache, so with x
+      // in one chunk they pull the next block into L2 meanwhile, a share each, and the memory
+      // does not idle (32 rows: the 30 SmolLM2 layers' matmuls 11.1 -> 10.4 ms on Zen 5).
+      const bool fetch_next = std::is_same_v<M, Mul> && chunks == 1 && row_tiles > 1 &&
+                              block + 1 < s.blocks;
+      constexpr int64_t kPairBytes = kPairElems<W> * sizeof(W);
+      const int64_t next_per_pair =
+          fetch_next ? (kPairBytes + row_tiles - 2) / (row_tiles - 1) : 0;
+      const auto& tiles = kTiles<M, O>[activation + 1];
+      for (int64_t r = row0, i = 0; r < row0 + rows; r += per_tile, ++i) {
+        const int64_t n = std::min(per_tile, row0 + rows - r);
+        O* out_row = os + r * s.out_cols;
+        const char* next = fetch_next && i > 0 ? reinterpret_cast<const char*>(
+            ws + (block + 1) * block_elems) + (i - 1) * pairs * next_per_pair : nullptr;
+        tiles[n - 1]({xs + r * x.stride(0), x.stride(0), wm, pairs,
+                      ss ? ss + low : nullptr, ss ? ss + low + half : nullptr,
+                      M::kGroups ? groups : nullptr, d.group_pairs,
+                      M::kGroups ? d.x_sums + r * groups_per_block : nullptr, groups_per_block,
+                      bs ? bs + low : nullptr, bs ? bs + low + half : nullptr,
+                      out_row + low, out_row + low + half, s.out_cols, cols_low, cols_high,
+                      row_tiles == 1, next, next_per_pair});
+      }
+    };
+    if constexpr (Mul::kPrewidens) {
+      if (rows >= Mul::Isa::kPrewidenRows) {  // widened once for the chunk's many row tiles
+        thread_local std::vector<float> widened;
+        widened.resize(pairs * 2 * kBlock);
+        prewiden<Mul>(w, pairs, groups, d.group_pairs, widened.data());
+        run_tiles(Type<Wide>{}, widened.data());
+        return;
+      }
     }
+    run_tiles(Type<Mul>{}, w);
   };
   // Threads take kTasksPerGrab tasks at a time rather than a fixed half each: on a machine that
   // also runs the server and its clients, a thread preempted mid-matmul then costs only its own

@@ -10,6 +10,11 @@
 namespace tritonlm {
 namespace packed_matmul {
 
+// One feature pair of 4-bit weights (0..15): the even k in the low nibble, the odd k in the high.
+struct Int4Pair {
+  uint8_t bits;
+};
+
 // The registers a tile computes in, as this build targets them: AVX512 (16 float32 lanes) or AVX2
 // + FMA (8). The tiling, the task schedule and the epilogue are written once over these; only the
 // width differs.
@@ -18,6 +23,9 @@ struct Avx512 {
   using F = __m512;
   static constexpr int kLanes = 16;
   static constexpr int kMaxRows = 12;  // 24 accumulators + the weight registers (32 in all)
+  static constexpr int kMaxGroupedRows = 6;  // + 12 registers for a group's sums
+  static constexpr int64_t kPrewidenRows = 48;  // rows from which a block is widened once
+                                                // (not measured on AVX512 yet)
   static F zero() { return _mm512_setzero_ps(); }
   static F splat(float v) { return _mm512_set1_ps(v); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
@@ -36,6 +44,18 @@ struct Avx512 {
     even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16));
     odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs, 16));
   }
+  static void widen_pairs(const Int4Pair* w, F& even, F& odd) {
+    const __m512i pairs =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    even = _mm512_cvtepi32_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xF)));
+    odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(pairs, 4));
+  }
+  static void widen_pairs(const float* w, F& even, F& odd) {  // widened already (prewiden)
+    even = _mm512_loadu_ps(w);
+    odd = _mm512_loadu_ps(w + kLanes);
+  }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
   static F load(const uint16_t* p, int64_t n) {  // bfloat16
     return widen_bf16(_mm256_maskz_loadu_epi16(first_lanes(n), p));
   }
@@ -54,6 +74,9 @@ struct Avx2 {
   using F = __m256;
   static constexpr int kLanes = 8;
   static constexpr int kMaxRows = 3;  // 12 accumulators; one vector's weights widened at a time
+  static constexpr int kMaxGroupedRows = 2;
+  // Zen 1, SmolLM2's matmuls at 16 rows: int8 96 -> 85 ms, int4 106 -> 89; no gain at 8 or less.
+  static constexpr int64_t kPrewidenRows = 16;
   static F zero() { return _mm256_setzero_ps(); }
   static F splat(float v) { return _mm256_set1_ps(v); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
@@ -71,6 +94,18 @@ struct Avx2 {
     even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16));
     odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(pairs, 16));
   }
+  static void widen_pairs(const Int4Pair* w, F& even, F& odd) {
+    const __m256i pairs =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+    even = _mm256_cvtepi32_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(0xF)));
+    odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(pairs, 4));
+  }
+  static void widen_pairs(const float* w, F& even, F& odd) {  // widened already (prewiden)
+    even = _mm256_loadu_ps(w);
+    odd = _mm256_loadu_ps(w + kLanes);
+  }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
   static __m256i first_lanes(int64_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)),
                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));

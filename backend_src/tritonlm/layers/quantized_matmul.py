@@ -1,12 +1,12 @@
 """Fused matmuls on weight-only quantized storage (quantization.py), chosen once per layer:
-- CPU, 4 bits in groups of 32, 64, 128 or 256 columns (the last may be shorter), output rows a
-  multiple of 16: torch's int4 kernel, on a copy of the weight in its packed layout (act-order
-  columns sorted by group once, each input permuted alike; a short last group padded with zero
-  inputs);
-- CPU, 8 bits with one scale per output row: our kernel (csrc/int8_matmul.cpp, AVX2 or AVX512)
-  on a copy packed as cpu_gemm packs bf16 weights, for float32 and bfloat16 inputs; else torch's
-  int8 kernel on the storage as it is (on 2 Zen 1 cores ours ran SmolLM2's matmul shapes
-  6-12x faster than torch's with float32 inputs, 1.3-1.5x with bfloat16 ones);
+- CPU with our kernels built (AVX2 + FMA or AVX512), float32 or bfloat16 inputs: our kernel
+  (csrc/quantized_matmul.cpp) on a copy packed as cpu_gemm packs bf16 weights, for int8 with a
+  scale per output row, and int8 or 4 bits in groups of any even size (the last may be shorter;
+  act-order columns sorted by group once, each input permuted alike). On 2 Zen 1 cores it ran
+  SmolLM2's int8 matmul shapes 6-12x faster than torch's int8 kernel with float32 inputs,
+  1.3-1.5x with bfloat16 ones;
+- CPU otherwise: torch's int4 kernel (groups of 32-256, output rows a multiple of 16) or int8
+  kernel (a scale per row), on the storage or a copy in its layout;
 - CUDA with OpenAI Triton installed: our Triton kernel (triton_quant_matmul.py), any layout.
 Any other layout dequantizes the weight for each matmul (`QuantizedWeight.forward`)."""
 from collections.abc import Callable
@@ -31,14 +31,15 @@ def cpu_matmul(qweight: torch.Tensor, values: Callable[[], torch.Tensor], scales
     of the weight: the storage it was made from can go."""
     if qweight.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
+    group_size = _group_size(g_idx, scales.shape[1])
+    kernels = cpu_kernels.load()
+    if (kernels is not None and kernels.has_bf16_matmul and dtype != torch.float16
+            and group_size is not None and (scales.shape[1] == 1 or group_size % 2 == 0)):
+        return PairBlocks(values(), scales, biases, g_idx, group_size, kernels)
     if qweight.dtype == torch.int8:
         if scales.shape[1] != 1 or biases is not None:
             return None
-        kernels = cpu_kernels.load()
-        if kernels is not None and kernels.has_bf16_matmul and dtype != torch.float16:
-            return Int8PairBlocks(qweight, scales[:, 0], kernels)
         return _Int8Rows(qweight, scales[:, 0].to(dtype))
-    group_size = _group_size(g_idx, scales.shape[1])
     if group_size not in INT4_GROUP_SIZES or qweight.shape[0] % INT4_ROW_MULTIPLE:
         return None
     return Int4Groups(values(), scales, biases, g_idx, group_size, dtype)
@@ -69,21 +70,56 @@ class _Int8Rows(nn.Module):
         return out.view(*x.shape[:-1], -1)
 
 
-class Int8PairBlocks(nn.Module):
+class PairBlocks(nn.Module):
+    """int8 or 4-bit values (`values` [out, in], 4 bits in 0..15) packed for our kernel: pairs of
+    input features per block of 32 output features, as cpu_gemm packs bf16 weights (4 bits: a
+    pair in one byte). Dequantized by one scale per output row (int8, no biases: applied to the
+    sums), else by a scale and a bias per output row and group, packed alike [blocks, G, 2, 32]."""
     owns_weight = True  # a packed copy: the storage it was made from can go
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, kernels):
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
+                 g_idx: torch.Tensor, group_size: int, kernels):
         super().__init__()
-        self.out_features, self.kernels = qweight.shape[0], kernels
-        self.register_buffer("packed", cpu_gemm.pack_pair_blocks(qweight))
-        self.register_buffer("scales", scales.float().contiguous())
+        self.out_features, self.kernels = values.shape[0], kernels
+        self.order, values = _sorted_by_group(values, g_idx)
+        four_bits = values.dtype == torch.uint8
+        per_row = not four_bits and scales.shape[1] == 1 and biases is None
+        self.padding = 0 if per_row else scales.shape[1] * group_size - values.shape[1]
+        packed = cpu_gemm.pack_pair_blocks(F.pad(values, (0, self.padding)))
+        if four_bits:
+            packed = packed[..., 0] | (packed[..., 1] << 4)
+        self.register_buffer("packed", packed.contiguous())
+        if per_row:
+            self.register_buffer("row_scales", scales[:, 0].float().contiguous())
+            self.groups = None
+        else:
+            params = torch.stack((scales, torch.zeros_like(scales) if biases is None else biases),
+                                 dim=-1).float()  # [out, G, 2]
+            blocked = cpu_gemm.pack_block_features(params)  # [blocks, 32, G, 2]
+            self.register_buffer("groups", blocked.permute(0, 2, 3, 1).contiguous())
+            self.row_scales = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
+        if self.order is not None:
+            flat = flat.index_select(1, self.order)
+        if self.padding:
+            flat = F.pad(flat, (0, self.padding))
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
-        out = self.kernels.int8_matmul(flat, self.packed, self.scales, self.out_features)
+        out = self.kernels.quantized_matmul(flat, self.packed, self.row_scales, self.groups,
+                                            self.out_features)
         return out.view(*x.shape[:-1], -1)
+
+
+def _sorted_by_group(values: torch.Tensor, g_idx: torch.Tensor
+                     ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The column order that makes each group a consecutive run (None: already), and the values
+    in that order."""
+    order = torch.argsort(g_idx, stable=True)
+    if torch.equal(order, torch.arange(len(order))):
+        return None, values
+    return order, values[:, order]
 
 
 class Int4Groups(nn.Module):
@@ -92,11 +128,7 @@ class Int4Groups(nn.Module):
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
                  g_idx: torch.Tensor, group_size: int, dtype: torch.dtype):
         super().__init__()
-        order = torch.argsort(g_idx, stable=True)
-        self.order = None if torch.equal(order, torch.arange(len(order))) else order
-        values = values.to(torch.int32)
-        if self.order is not None:
-            values = values[:, self.order]
+        self.order, values = _sorted_by_group(values.to(torch.int32), g_idx)
         self.padding = scales.shape[1] * group_size - values.shape[1]
         values = F.pad(values, (0, self.padding))
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(

@@ -1,0 +1,92 @@
+// Weight-only quantized matmuls in the tiling of packed_matmul.h, packed once as the bfloat16
+// weights are (tritonlm/layers/quantized_matmul.py): int8 pairs [blocks, ceil(K/2), 32, 2] or
+// 4-bit pairs [blocks, ceil(K/2), 32] (a byte per pair), widened to float32 in registers,
+// float32 FMAs. Dequantized either
+// - by one scale per output feature, applied once to its sums (int8 rows), or
+// - by a scale and a bias per output feature and group of input features (w = q * scale + bias:
+//   GPTQ, round-to-nearest and GGUF groups), applied as each pair row is widened.
+// A prompt's row tiles share a block widened once (prewiden in packed_matmul.h).
+#include "packed_matmul.h"
+
+namespace tritonlm {
+
+#ifdef TRITONLM_PACKED_MATMUL
+namespace {
+using namespace packed_matmul;
+
+template <typename Mul>
+void run_on(const at::Tensor& x, const at::Tensor& packed, const Dequant& dequant,
+            const std::optional<at::Tensor>& bias, at::Tensor& out, const Shape& shape) {
+  const auto* ws = reinterpret_cast<const typename Mul::W*>(packed.data_ptr());
+  if (out.scalar_type() == at::kFloat) {
+    run_tasks<Mul, float>(x, ws, packed.size(1), dequant, bias ? bias->data_ptr<float>() : nullptr,
+                          out.data_ptr<float>(), shape, -1);
+  } else {
+    const auto* bs = bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
+    run_tasks<Mul, uint16_t>(x, ws, packed.size(1), dequant, bs,
+                             reinterpret_cast<uint16_t*>(out.data_ptr()), shape, -1);
+  }
+}
+}  // namespace
+
+at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
+                            const std::optional<at::Tensor>& row_scales,
+                            const std::optional<at::Tensor>& groups, int64_t out_features,
+                            const std::optional<at::Tensor>& bias) {
+  using namespace packed_matmul;
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) &&
+                  x.stride(1) == 1,
+              "quantized_matmul: x must be [M, K] float32 or bfloat16 with contiguous features");
+  const int64_t m = x.size(0), k = x.size(1), pairs = (k + 1) / 2;
+  const int64_t blocks = (out_features + kBlock - 1) / kBlock;
+  const bool int4 = packed.scalar_type() == at::kByte;
+  TORCH_CHECK((int4 || packed.scalar_type() == at::kChar) && packed.is_contiguous() &&
+                  packed.dim() == (int4 ? 3 : 4) && packed.size(0) == blocks &&
+                  packed.size(1) == pairs && packed.size(2) == kBlock &&
+                  (int4 || packed.size(3) == 2),
+              "quantized_matmul: packed weight ", packed.sizes(), " (", packed.scalar_type(),
+              ") does not hold ", out_features, " x ", k, " int8 or 4-bit values");
+  TORCH_CHECK(row_scales.has_value() != groups.has_value() && !(int4 && row_scales),
+              "quantized_matmul: give row_scales (int8) or groups, not both");
+  TORCH_CHECK(!row_scales || (row_scales->scalar_type() == at::kFloat &&
+                              row_scales->is_contiguous() && row_scales->numel() == out_features),
+              "quantized_matmul: row_scales must be ", out_features, " contiguous float32 values");
+  TORCH_CHECK(!groups || (groups->scalar_type() == at::kFloat && groups->is_contiguous() &&
+                          groups->dim() == 4 && groups->size(0) == blocks &&
+                          groups->size(1) > 0 && pairs % groups->size(1) == 0 &&
+                          groups->size(2) == 2 && groups->size(3) == kBlock),
+              "quantized_matmul: groups must be float32 [", blocks,
+              ", G, 2, 32] with G dividing the ", pairs, " feature pairs");
+  TORCH_CHECK(!bias || (bias->scalar_type() == dtype && bias->is_contiguous() &&
+                        bias->numel() == out_features),
+              "quantized_matmul: bias must be ", out_features, " contiguous values of x's dtype");
+  auto out = at::empty({m, out_features}, x.options());
+  if (m == 0) return out;
+  const at::Tensor xs = dtype == at::kFloat ? x : x.to(at::kFloat);
+  const at::Tensor even = k % 2 ? at::constant_pad_nd(xs, {0, 1}) : xs;
+  const Shape shape{m, out_features, out_features, kBlock / 2, blocks, false};
+  // x's sum over each group: a tile adds bias * sum once per group.
+  const at::Tensor x_sums =
+      groups ? even.view({m, groups->size(1), -1}).sum(-1).contiguous() : at::Tensor();
+  const Dequant dequant{row_scales ? row_scales->data_ptr<float>() : nullptr,
+                        groups ? groups->data_ptr<float>() : nullptr,
+                        groups ? pairs / groups->size(1) : 0,
+                        groups ? x_sums.data_ptr<float>() : nullptr};
+  if (int4)
+    run_on<WidenedFma<Native, Int4Pair, true>>(even, packed, dequant, bias, out, shape);
+  else if (groups)
+    run_on<WidenedFma<Native, int8_t, true>>(even, packed, dequant, bias, out, shape);
+  else
+    run_on<WidenedFma<Native, int8_t>>(even, packed, dequant, bias, out, shape);
+  return out;
+}
+#else
+at::Tensor quantized_matmul(const at::Tensor&, const at::Tensor&,
+                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                            int64_t, const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "quantized_matmul: built for a CPU without AVX2 + FMA");
+}
+#endif
+
+}  // namespace tritonlm
