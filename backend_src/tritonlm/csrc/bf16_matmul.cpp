@@ -61,16 +61,15 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const int64_t out_cols = activation < 0 ? out_features : half;
   auto out = at::empty({m, out_cols}, x.options());
   if (m == 0) return out;
-  // x as the multiply takes it; an odd last feature pairs with the packing's zero padding.
-  const at::Tensor xs = widen ? x.to(at::kFloat) : x;
-  const at::Tensor even = k % 2 ? at::constant_pad_nd(xs, {0, 1}) : xs;
+  // An odd last feature pairs with the packing's zero padding.
+  const at::Tensor even = k % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
   const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const auto* bs = bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
   auto* os = reinterpret_cast<uint16_t*>(out.data_ptr());
   const Shape shape{m, out_features, out_cols, half, blocks, gated};
   if (widen) {
-    run_tasks<WidenedFma<Native, uint16_t>>(even, ws, packed.size(1), {}, bs, os, shape,
-                                            activation);
+    run_tasks<WidenedFma<Native, uint16_t, false, uint16_t>>(even, ws, packed.size(1), {}, bs,
+                                                             os, shape, activation);
     return out;
   }
 #ifdef __AVX512BF16__

@@ -82,9 +82,10 @@ constexpr int64_t kPairElems = kBlock * kLaneElems<W>;
 // (w = q * scale + bias): a tile sums q * x over a group, then adds scale * sum + bias * (x's
 // sum over the group), so widening a weight costs no more than for bf16 or int8 rows. Else the
 // weights are the values (bf16) or a per-feature scale multiplies the sums (int8 rows).
-template <typename I, typename Weight, bool kGrouped = false>
+// XT: x's element, float or bfloat16 (uint16_t, widened as it is broadcast).
+template <typename I, typename Weight, bool kGrouped = false, typename XT = float>
 struct WidenedFma {
-  using X = float;
+  using X = XT;
   using W = Weight;
   using Isa = I;
   using F = typename I::F;
@@ -185,7 +186,7 @@ void matmul_tile(const Tile<Mul, O>& t) {
       F sums[R][V];
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < V; ++v) sums[r][v] = I::zero();
-      add_pairs(sums, g * t.group_pairs, (g + 1) * t.group_pairs);
+      add_pairs(sums, g * t.group_pairs, std::min(t.pairs, (g + 1) * t.group_pairs));
       for (int v = 0; v < V; ++v) {
         const F scale = I::load(group + v * I::kLanes);
         const F bias = I::load(group + kBlock + v * I::kLanes);
@@ -249,7 +250,7 @@ struct Shape {
 struct Dequant {
   const float* row_scales;  // [out_features]: a scale per feature, applied to its sums
   const float* groups;      // [blocks, groups, 2, 32]: Mul::kGroups' scales and biases
-  int64_t group_pairs;      // pairs per group
+  int64_t group_pairs;      // pairs per group (the last group may be shorter)
   const float* x_sums;      // [m, groups]: x's sum over each group
 };
 
@@ -259,7 +260,7 @@ struct Type {
 };
 
 // A block's pair rows widened and dequantized to float32 at `out` [pairs, 64], in the order
-// WidenedFma<Isa, float> reads them (int8 rows keep their values: the tiles scale the sums).
+// WidenedFma<Isa, float, ...> reads them (int8 rows keep their values: the tiles scale the sums).
 template <typename Mul>
 void prewiden(const typename Mul::W* w, int64_t pairs, const float* groups, int64_t group_pairs,
               float* out) {
@@ -290,10 +291,10 @@ template <typename Mul, typename O>
 void run_tasks(const at::Tensor& x, const typename Mul::W* ws, int64_t pairs, const Dequant& d,
                const O* bs, O* os, const Shape& s, int64_t activation) {
   using W = typename Mul::W;
-  using Wide = WidenedFma<typename Mul::Isa, float>;
+  using Wide = WidenedFma<typename Mul::Isa, float, false, typename Mul::X>;
   const auto* xs = reinterpret_cast<const typename Mul::X*>(x.data_ptr());
   const int64_t m = s.m, half = s.half, block_elems = pairs * kPairElems<W>;
-  const int64_t groups_per_block = d.groups ? pairs / d.group_pairs : 0;
+  const int64_t groups_per_block = d.groups ? (pairs + d.group_pairs - 1) / d.group_pairs : 0;
   const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
   // Tasks run chunk-major: a thread's consecutive tasks reuse one chunk of x from L2 while the
   // weight blocks stream by.

@@ -4,7 +4,8 @@
 // float32 FMAs. Dequantized either
 // - by one scale per output feature, applied once to its sums (int8 rows), or
 // - by a scale and a bias per output feature and group of input features (w = q * scale + bias:
-//   GPTQ, round-to-nearest and GGUF groups), applied as each pair row is widened.
+//   GPTQ, round-to-nearest and GGUF groups): a tile adds scale * (its sum of q * x over the
+//   group) + bias * (x's sum over the group).
 // A prompt's row tiles share a block widened once (prewiden in packed_matmul.h).
 #include "packed_matmul.h"
 
@@ -14,25 +15,60 @@ namespace tritonlm {
 namespace {
 using namespace packed_matmul;
 
-template <typename Mul>
+// x's sum over each group of `group_size` features: [m, groups].
+template <typename T>
+std::vector<float> group_sums(const at::Tensor& x, int64_t groups, int64_t group_size) {
+  const int64_t m = x.size(0), k = x.size(1);
+  std::vector<float> sums(m * groups);
+  const T* xs = reinterpret_cast<const T*>(x.data_ptr());
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const T* begin = xs + r * x.stride(0) + g * group_size;
+      const int64_t n = std::min(k - g * group_size, group_size);
+      Vec acc(0.f);
+      int64_t i = 0;
+      for (; i + W <= n; i += W) acc = acc + load_float(begin + i);
+      if (i < n) acc = acc + load_float(begin + i, n - i);
+      sums[r * groups + g] = at::vec::vec_reduce_all<float>(
+          [](const Vec& a, const Vec& b) { return a + b; }, acc);
+    }
+  return sums;
+}
+
+// X, O: x's and the output's element (float, or bfloat16 as uint16_t).
+template <typename Mul, typename X>
 void run_on(const at::Tensor& x, const at::Tensor& packed, const Dequant& dequant,
             const std::optional<at::Tensor>& bias, at::Tensor& out, const Shape& shape) {
   const auto* ws = reinterpret_cast<const typename Mul::W*>(packed.data_ptr());
-  if (out.scalar_type() == at::kFloat) {
-    run_tasks<Mul, float>(x, ws, packed.size(1), dequant, bias ? bias->data_ptr<float>() : nullptr,
-                          out.data_ptr<float>(), shape, -1);
-  } else {
-    const auto* bs = bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
-    run_tasks<Mul, uint16_t>(x, ws, packed.size(1), dequant, bs,
-                             reinterpret_cast<uint16_t*>(out.data_ptr()), shape, -1);
-  }
+  const auto* bs = bias ? reinterpret_cast<const X*>(bias->data_ptr()) : nullptr;
+  run_tasks<Mul, X>(x, ws, packed.size(1), dequant, bs, reinterpret_cast<X*>(out.data_ptr()),
+                    shape, -1);
+}
+
+template <typename X>
+void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4,
+             const std::optional<at::Tensor>& row_scales,
+             const std::optional<at::Tensor>& groups, int64_t group_size,
+             const std::optional<at::Tensor>& bias, at::Tensor& out, const Shape& shape) {
+  using T = std::conditional_t<std::is_same_v<X, float>, float, c10::BFloat16>;
+  const std::vector<float> x_sums =
+      groups ? group_sums<T>(x, groups->size(1), group_size) : std::vector<float>();
+  const Dequant dequant{row_scales ? row_scales->data_ptr<float>() : nullptr,
+                        groups ? groups->data_ptr<float>() : nullptr, (group_size + 1) / 2,
+                        x_sums.data()};
+  if (int4)
+    run_on<WidenedFma<Native, Int4Pair, true, X>, X>(x, packed, dequant, bias, out, shape);
+  else if (groups)
+    run_on<WidenedFma<Native, int8_t, true, X>, X>(x, packed, dequant, bias, out, shape);
+  else
+    run_on<WidenedFma<Native, int8_t, false, X>, X>(x, packed, dequant, bias, out, shape);
 }
 }  // namespace
 
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const std::optional<at::Tensor>& row_scales,
-                            const std::optional<at::Tensor>& groups, int64_t out_features,
-                            const std::optional<at::Tensor>& bias) {
+                            const std::optional<at::Tensor>& groups, int64_t group_size,
+                            int64_t out_features, const std::optional<at::Tensor>& bias) {
   using namespace packed_matmul;
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) &&
@@ -52,39 +88,31 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(!row_scales || (row_scales->scalar_type() == at::kFloat &&
                               row_scales->is_contiguous() && row_scales->numel() == out_features),
               "quantized_matmul: row_scales must be ", out_features, " contiguous float32 values");
+  const int64_t group_pairs = (group_size + 1) / 2;
   TORCH_CHECK(!groups || (groups->scalar_type() == at::kFloat && groups->is_contiguous() &&
-                          groups->dim() == 4 && groups->size(0) == blocks &&
-                          groups->size(1) > 0 && pairs % groups->size(1) == 0 &&
+                          groups->dim() == 4 && groups->size(0) == blocks && group_size > 0 &&
+                          groups->size(1) == (pairs + group_pairs - 1) / group_pairs &&
+                          (group_size % 2 == 0 || groups->size(1) == 1) &&
                           groups->size(2) == 2 && groups->size(3) == kBlock),
-              "quantized_matmul: groups must be float32 [", blocks,
-              ", G, 2, 32] with G dividing the ", pairs, " feature pairs");
+              "quantized_matmul: groups must be float32 [", blocks, ", G, 2, 32]: G groups of ",
+              group_size, " (even, or one group) of the ", k, " input features");
   TORCH_CHECK(!bias || (bias->scalar_type() == dtype && bias->is_contiguous() &&
                         bias->numel() == out_features),
               "quantized_matmul: bias must be ", out_features, " contiguous values of x's dtype");
   auto out = at::empty({m, out_features}, x.options());
   if (m == 0) return out;
-  const at::Tensor xs = dtype == at::kFloat ? x : x.to(at::kFloat);
-  const at::Tensor even = k % 2 ? at::constant_pad_nd(xs, {0, 1}) : xs;
+  const at::Tensor even = k % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
   const Shape shape{m, out_features, out_features, kBlock / 2, blocks, false};
-  // x's sum over each group: a tile adds bias * sum once per group.
-  const at::Tensor x_sums =
-      groups ? even.view({m, groups->size(1), -1}).sum(-1).contiguous() : at::Tensor();
-  const Dequant dequant{row_scales ? row_scales->data_ptr<float>() : nullptr,
-                        groups ? groups->data_ptr<float>() : nullptr,
-                        groups ? pairs / groups->size(1) : 0,
-                        groups ? x_sums.data_ptr<float>() : nullptr};
-  if (int4)
-    run_on<WidenedFma<Native, Int4Pair, true>>(even, packed, dequant, bias, out, shape);
-  else if (groups)
-    run_on<WidenedFma<Native, int8_t, true>>(even, packed, dequant, bias, out, shape);
+  if (dtype == at::kFloat)
+    run_for<float>(even, packed, int4, row_scales, groups, group_size, bias, out, shape);
   else
-    run_on<WidenedFma<Native, int8_t>>(even, packed, dequant, bias, out, shape);
+    run_for<uint16_t>(even, packed, int4, row_scales, groups, group_size, bias, out, shape);
   return out;
 }
 #else
 at::Tensor quantized_matmul(const at::Tensor&, const at::Tensor&,
                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                            int64_t, const std::optional<at::Tensor>&) {
+                            int64_t, int64_t, const std::optional<at::Tensor>&) {
   TORCH_CHECK(false, "quantized_matmul: built for a CPU without AVX2 + FMA");
 }
 #endif

@@ -82,10 +82,10 @@ class PairBlocks(nn.Module):
         super().__init__()
         self.out_features, self.kernels = values.shape[0], kernels
         self.order, values = _sorted_by_group(values, g_idx)
+        self.group_size = group_size
         four_bits = values.dtype == torch.uint8
         per_row = not four_bits and scales.shape[1] == 1 and biases is None
-        self.padding = 0 if per_row else scales.shape[1] * group_size - values.shape[1]
-        packed = cpu_gemm.pack_pair_blocks(F.pad(values, (0, self.padding)))
+        packed = cpu_gemm.pack_pair_blocks(values)
         if four_bits:
             packed = packed[..., 0] | (packed[..., 1] << 4)
         self.register_buffer("packed", packed.contiguous())
@@ -103,12 +103,10 @@ class PairBlocks(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         if self.order is not None:
             flat = flat.index_select(1, self.order)
-        if self.padding:
-            flat = F.pad(flat, (0, self.padding))
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
         out = self.kernels.quantized_matmul(flat, self.packed, self.row_scales, self.groups,
-                                            self.out_features)
+                                            self.group_size, self.out_features)
         return out.view(*x.shape[:-1], -1)
 
 
