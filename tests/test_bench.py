@@ -260,3 +260,21 @@ def test_rounds_alternate_systems_and_never_reuse_cached_prompts(smollm2_server,
             assert report["ratio_rounds"][name] == pytest.approx([a / b for a, b in
                                                                   zip(ours, rounds)])
             assert report["ratios"][name] == pytest.approx(paired[1])
+
+
+def test_roofline_counts_the_matmul_flops_of_transformers_linear_layers(smollm2_llm, smollm2_hf,
+                                                                        smollm2_repo, capsys):
+    """Per token, our model's linear layers and head multiply-add what transformers' nn.Linear
+    layers do (its tied lm_head included); the report puts a run's FLOPs against the peak."""
+    from torch import nn
+
+    from tritonlm.bench.roofline import matmul_flops_per_token
+    body, head = matmul_flops_per_token(smollm2_llm.engine.runner.model)
+    expected = sum(m.in_features * m.out_features for m in smollm2_hf.modules()
+                   if isinstance(m, nn.Linear))
+    assert body + head == 2 * expected
+    assert head == 2 * smollm2_hf.lm_head.in_features * smollm2_hf.lm_head.out_features
+    main(["--model", str(smollm2_repo), "--num-requests", "2", "--input-len", "8",
+          "--output-len", "4", "--roofline"])
+    printed = capsys.readouterr().out
+    assert "of the measured float32 matmul peak" in printed and "batch-1 decode:" in printed

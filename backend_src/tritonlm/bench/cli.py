@@ -200,6 +200,11 @@ def main(argv=None) -> None:
               f"+ {roofline['kv_bytes_per_step'] / 1e6:.1f} MB of KV; copy bandwidth "
               f"{roofline['copy_bandwidth_gb_s']:.1f} GB/s -> roofline "
               f"{roofline['roofline_step_ms']:.2f} ms, {roofline['fraction_of_roofline']:.0%} of it")
+        from tritonlm.bench.roofline import workload_flops
+        flops = workload_flops(roofline, runs[0])
+        print(f"  matmul FLOPs: {flops['flops'] / 1e12:.2f} TFLOP in our run, "
+              f"{flops['achieved_gflops']:.1f} GFLOP/s = {flops['fraction_of_peak']:.0%} of the "
+              f"measured float32 matmul peak ({roofline['matmul_peak_flops'] / 1e9:.1f} GFLOP/s)")
     if args.json:
         report.write_json(args.json, {"title": title, "dtype": config.dtype, "runs": runs,
                                       "ratios": vs, "ratio_rounds": ratio_rounds,

@@ -1,8 +1,11 @@
-"""How close a batch-1 decode step comes to the memory-bandwidth roofline: every weight is read
-once per step, so a step cannot be faster than weight bytes ÷ memory bandwidth."""
+"""Both limits of a run: how close a batch-1 decode step comes to the memory-bandwidth roofline
+(every weight is read once per step, so a step cannot be faster than weight bytes ÷ memory
+bandwidth), and the matmul FLOPs a workload needs against this machine's measured float32
+matmul peak."""
 import time
 
 import torch
+from torch import nn
 
 from tritonlm.bench.offline_runner import run_offline
 from tritonlm.bench.workloads import fixed
@@ -19,6 +22,39 @@ def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
         target.copy_(source)
         best = min(best, time.perf_counter() - start)
     return 2 * num_bytes / best
+
+
+def matmul_peak_flops(size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a large float32 matmul (MKL on CPU) on every thread torch uses: the FMA peak a
+    workload's matmuls can reach here."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best
+
+
+def matmul_flops_per_token(model: nn.Module) -> tuple[int, int]:
+    """FLOPs (2 per multiply-add) of one token through the linear layers of one rank, and through
+    the output head (a prompt's tokens but its last skip the head). Attention's products over the
+    context are not counted."""
+    head = model.output_head()
+    body = sum(m.in_features * m.out_features for m in model.modules()
+               if isinstance(m, nn.Linear) and m is not head)
+    return 2 * body, 2 * head.weight.shape[0] * head.weight.shape[1]
+
+
+def workload_flops(roofline: dict, run: dict) -> dict:
+    """The matmul FLOPs of a timed run (`metrics.summarize`'s) against the measured peak."""
+    tokens = run["input_tokens"] + run["output_tokens"]
+    flops = roofline["body_flops_per_token"] * tokens + roofline["head_flops_per_token"] * (
+        run["output_tokens"])
+    achieved = flops / run["duration_s"]
+    return {"flops": flops, "achieved_gflops": achieved / 1e9,
+            "fraction_of_peak": achieved / roofline["matmul_peak_flops"]}
 
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
@@ -54,7 +90,9 @@ def measure(engine: LLMEngine, prompt_len: int = 128, output_len: int = 64) -> d
     context = prompt_len + output_len / 2  # the mean context a step attends over
     bytes_per_step = weights + kv_per_token * context
     bandwidth = copy_bandwidth()
-    return {"weight_bytes": weights, "kv_bytes_per_step": kv_per_token * context,
+    body_flops, head_flops = matmul_flops_per_token(model)
+    return {"matmul_peak_flops": matmul_peak_flops(), "body_flops_per_token": body_flops,
+            "head_flops_per_token": head_flops,"weight_bytes": weights, "kv_bytes_per_step": kv_per_token * context,
             "decode_step_ms": step * 1e3, "copy_bandwidth_gb_s": bandwidth / 1e9,
             "achieved_gb_s": bytes_per_step / step / 1e9,
             "roofline_step_ms": bytes_per_step / bandwidth * 1e3,
