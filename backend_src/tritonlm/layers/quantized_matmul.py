@@ -31,6 +31,7 @@ def cpu_matmul(qweight: torch.Tensor, values: Callable[[], torch.Tensor], scales
     of the weight: the storage it was made from can go."""
     if qweight.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
+    scales, biases, g_idx = _present_groups(scales, biases, g_idx)
     group_size = _group_size(g_idx, scales.shape[1])
     kernels = cpu_kernels.load()
     if (kernels is not None and kernels.has_bf16_matmul and dtype != torch.float16
@@ -50,6 +51,17 @@ def cuda_matmul(qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tenso
     if qweight.device.type != "cuda" or not triton_support.available(qweight.device):
         return None
     return lambda x: triton_quant_matmul.quantized_matmul(x, qweight, scales, biases, g_idx)
+
+
+def _present_groups(scales: torch.Tensor, biases: torch.Tensor | None, g_idx: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The groups that have columns here, renumbered: a tensor-parallel shard of the input
+    columns keeps the global groups' scales, some of which it has no column of."""
+    present = torch.bincount(g_idx.long(), minlength=scales.shape[1]) > 0
+    if bool(present.all()):
+        return scales, biases, g_idx
+    renumbered = (torch.cumsum(present, 0) - 1)[g_idx.long()].to(g_idx.dtype)
+    return scales[:, present], None if biases is None else biases[:, present], renumbered
 
 
 def _group_size(g_idx: torch.Tensor, num_groups: int) -> int | None:
