@@ -1,7 +1,7 @@
 // bfloat16 matmul on weights packed once (tritonlm/layers/cpu_gemm.py), in the tiling of
 // packed_matmul.h. Measured on 2 Zen 4 cores (30 SmolLM2 layers, cold weights): 1.8-2x oneDNN's
 // bf16 matmul at 1-4 rows, 1.2-1.3x at 32, equal at 2048.
-#include "packed_matmul.h"
+#include "packed_matmul_tasks.h"
 
 #ifdef TRITONLM_PACKED_MATMUL
 

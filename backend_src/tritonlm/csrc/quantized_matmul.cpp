@@ -7,7 +7,7 @@
 //   GPTQ, round-to-nearest and GGUF groups): a tile adds scale * (its sum of q * x over the
 //   group) + bias * (x's sum over the group).
 // A prompt's row tiles share a block widened once (prewiden in packed_matmul.h).
-#include "packed_matmul.h"
+#include "packed_matmul_tasks.h"
 
 namespace tritonlm {
 
