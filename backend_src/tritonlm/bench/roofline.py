@@ -81,7 +81,7 @@ def _kv_bytes_per_token(engine: LLMEngine) -> float:
 
 
 def measure(engine: LLMEngine, prompt_len: int = 128, output_len: int = 64) -> dict:
-    """Batch-1 decode against the copy bandwidth."""
+    """Batch-1 decode against the copy bandwidth, and what a workload's FLOPs are measured by."""
     model = engine.runner.model
     weights = weight_bytes_per_step(model)
     (record,), _ = run_offline(engine, fixed(1, prompt_len, output_len, engine.vocab_size, 11))
@@ -91,9 +91,10 @@ def measure(engine: LLMEngine, prompt_len: int = 128, output_len: int = 64) -> d
     bytes_per_step = weights + kv_per_token * context
     bandwidth = copy_bandwidth()
     body_flops, head_flops = matmul_flops_per_token(model)
-    return {"matmul_peak_flops": matmul_peak_flops(), "body_flops_per_token": body_flops,
-            "head_flops_per_token": head_flops,"weight_bytes": weights, "kv_bytes_per_step": kv_per_token * context,
+    return {"weight_bytes": weights, "kv_bytes_per_step": kv_per_token * context,
             "decode_step_ms": step * 1e3, "copy_bandwidth_gb_s": bandwidth / 1e9,
             "achieved_gb_s": bytes_per_step / step / 1e9,
             "roofline_step_ms": bytes_per_step / bandwidth * 1e3,
-            "fraction_of_roofline": bytes_per_step / step / bandwidth}
+            "fraction_of_roofline": bytes_per_step / step / bandwidth,
+            "matmul_peak_flops": matmul_peak_flops(), "body_flops_per_token": body_flops,
+            "head_flops_per_token": head_flops}

@@ -98,6 +98,11 @@ struct WidenedFma {
   static void widen(const W* w, int v, F& even, F& odd) {
     I::widen_pairs(w + v * I::kLanes * kLaneElems<W>, even, odd);
   }
+  // Register v's lanes of a group's [2, 32] scales and biases.
+  static void group_params(const float* group, int v, F& scale, F& bias) {
+    scale = I::load(group + v * I::kLanes);
+    bias = I::load(group + kBlock + v * I::kLanes);
+  }
   template <int R>
   static void accumulate(F (&acc)[R][V], const W* w, const X* x, int64_t x_stride) {
     if constexpr (V <= 2) {  // the pair row widened once, each row's x broadcast once
@@ -141,8 +146,7 @@ struct Tile {
   const float* scale_high;
   const float* groups;  // Mul::kGroups: the block's [groups, 2, 32] scales and biases
   int64_t group_pairs;  // pairs per group
-  const float* x_sums;  // Mul::kGroups: row 0's sums of x over each group, rows x_sums_stride apart
-  int64_t x_sums_stride;
+  const float* x_sums;  // Mul::kGroups: row 0's sums of x over each group, then row 1's, ...
   const O* bias_low;  // the low and high features' first bias values, or null
   const O* bias_high;
   O* out_low;   // first row's outputs of the low and high features (act(gate) * up: low)
@@ -180,18 +184,19 @@ void matmul_tile(const Tile<Mul, O>& t) {
     }
   };
   if constexpr (Mul::kGroups) {
+    const int64_t groups = (t.pairs + t.group_pairs - 1) / t.group_pairs;
     const float* group = t.groups;
-    for (int64_t g = 0; g * t.group_pairs < t.pairs; ++g, group += 2 * kBlock) {
+    for (int64_t g = 0; g < groups; ++g, group += 2 * kBlock) {
       F sums[R][V];
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < V; ++v) sums[r][v] = I::zero();
       add_pairs(sums, g * t.group_pairs, std::min(t.pairs, (g + 1) * t.group_pairs));
       for (int v = 0; v < V; ++v) {
-        const F scale = I::load(group + v * I::kLanes);
-        const F bias = I::load(group + kBlock + v * I::kLanes);
+        F scale, bias;
+        Mul::group_params(group, v, scale, bias);
         for (int r = 0; r < R; ++r)
           acc[r][v] = I::fma(sums[r][v], scale,
-                             I::fma(I::splat(t.x_sums[r * t.x_sums_stride + g]), bias, acc[r][v]));
+                             I::fma(I::splat(t.x_sums[r * groups + g]), bias, acc[r][v]));
       }
     }
   } else {

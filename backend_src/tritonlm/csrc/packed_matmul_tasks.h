@@ -44,8 +44,8 @@ void prewiden(const typename Mul::W* w, int64_t pairs, const float* groups, int6
       typename I::F even, odd;
       Mul::widen(row, v, even, odd);
       if constexpr (Mul::kGroups) {
-        const auto scale = I::load(group + v * I::kLanes);
-        const auto bias = I::load(group + kBlock + v * I::kLanes);
+        typename I::F scale, bias;
+        Mul::group_params(group, v, scale, bias);
         even = I::fma(even, scale, bias);
         odd = I::fma(odd, scale, bias);
       }
@@ -99,7 +99,7 @@ void run_tasks(const at::Tensor& x, const typename Mul::W* ws, int64_t pairs, co
         tiles[n - 1]({xs + r * x.stride(0), x.stride(0), wm, pairs,
                       ss ? ss + low : nullptr, ss ? ss + low + half : nullptr,
                       M::kGroups ? groups : nullptr, d.group_pairs,
-                      M::kGroups ? d.x_sums + r * groups_per_block : nullptr, groups_per_block,
+                      M::kGroups ? d.x_sums + r * groups_per_block : nullptr,
                       bs ? bs + low : nullptr, bs ? bs + low + half : nullptr,
                       out_row + low, out_row + low + half, s.out_cols, cols_low, cols_high,
                       row_tiles == 1, next, next_per_pair});
