@@ -55,9 +55,9 @@ def test_default_repository_layout(default_repo):
     assert len(model_py) == 2 and model_py[0].startswith('"""')
     assert model_py[1] == "from tritonlm.triton.adapter import TritonPythonModel  # noqa: F401"
     engine = EngineConfig.load(version)
-    assert (engine.dtype, engine.max_model_len) == ("float32", 8192)  # GGUF weights are dequantized to float32
+    assert (engine.dtype, engine.max_model_len) == ("auto", 8192)  # chosen where the engine loads
     parameters = {"architecture": "LlamaForCausalLM", "max_model_len": "8192", "tp_size": "1",
-                  "dtype": "float32", "quantization": "none"}
+                  "dtype": "auto", "quantization": "none"}
     kind = "KIND_GPU" if torch.cuda.is_available() else "KIND_CPU"
     assert (default_repo / "config.pbtxt").read_text() == render_config_pbtxt("llm", kind, parameters)
     assert not [p for p in default_repo.iterdir() if p.name.startswith(".")]
@@ -68,7 +68,7 @@ def test_default_weights_equal_transformers_gguf_loading(default_repo, reference
     ours = load_file(weights(default_repo) / "rank0.safetensors")
     assert "lm_head.weight" not in ours and reference.config.tie_word_embeddings  # tied embeddings
     assert sorted(ours) == sorted(set(expected) - {"lm_head.weight"})
-    for name, tensor in ours.items():
+    for name, tensor in ours.items():  # dtype auto keeps the dequantized weights in float32
         assert tensor.dtype == torch.float32
         assert torch.equal(tensor, expected[name]), name
 
@@ -191,16 +191,15 @@ def test_rerun_replaces_previous_output(tiny, tmp_path, monkeypatch):
     assert not any(path.exists() for path in stale)
     assert not [p for p in model_dir.iterdir() if p.name.startswith(".")]
     ours = load_file(weights(model_dir) / "rank0.safetensors")
-    for name, tensor in state.items():  # auto on CPU: float32
-        assert ours[name].dtype == torch.float32 and torch.equal(ours[name], tensor.float()), name
+    for name, tensor in state.items():  # dtype auto: the checkpoint's bfloat16, as it is
+        assert ours[name].dtype == torch.bfloat16 and torch.equal(ours[name], tensor), name
+    assert EngineConfig.load(model_dir / "1").dtype == "auto"
     assert 'kind: KIND_CPU' in (model_dir / "config.pbtxt").read_text()
 
 
-def test_auto_dtype_with_cuda_keeps_the_checkpoint_dtype(tiny, tmp_path, monkeypatch):
+def test_with_cuda_the_model_is_placed_on_gpus(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     model_dir = convert(str(tiny[0]), tmp_path)
-    assert EngineConfig.load(model_dir / "1").dtype == "bfloat16"
-    assert load_file(weights(model_dir) / "rank0.safetensors")["lm_head.weight"].dtype == torch.bfloat16
     assert 'kind: KIND_GPU' in (model_dir / "config.pbtxt").read_text()
 
 

@@ -85,8 +85,9 @@ def test_mixed_gguf_keeps_the_layers_its_storage_can_hold(tmp_path):
     state = {name: tensor.float() for name, tensor in _save_tiny(tmp_path / "hf").items()}
     config = AutoConfig.from_pretrained(tmp_path / "hf")
     _write_tiny_gguf(tmp_path / "tiny.gguf", state, config, MIXED_LAYOUT)
-    kept_dir = convert(str(tmp_path / "tiny.gguf"), tmp_path / "kept", keep_quantized=True)
-    float_dir = convert(str(tmp_path / "tiny.gguf"), tmp_path / "float")
+    kept_dir = convert(str(tmp_path / "tiny.gguf"), tmp_path / "kept", dtype="float32",
+                       keep_quantized=True)
+    float_dir = convert(str(tmp_path / "tiny.gguf"), tmp_path / "float", dtype="float32")
     kept, dequantized = rank_file(kept_dir), rank_file(float_dir)
     weights = dequantized_weights(kept)
     assert sorted({name.split(".", 3)[3] for name in weights}) == [

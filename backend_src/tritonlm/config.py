@@ -12,7 +12,8 @@ KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model dtype
 
 @dataclass
 class EngineConfig:
-    dtype: str = "float32"
+    # "auto": the fastest where the engine loads (engine/auto_dtype.py)
+    dtype: str = "auto"
     max_model_len: int = 2048
     block_size: int = 16
     # KV blocks to allocate; None sizes the cache: from kv_cache_memory on CPU, on CUDA from
@@ -35,8 +36,8 @@ class EngineConfig:
     otlp_endpoint: str | None = None
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be auto or one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                              f"got {self.kv_cache_dtype!r}")

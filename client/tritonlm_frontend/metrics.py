@@ -6,7 +6,9 @@ import time
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+CONFIG_INFO = "tritonlm:model_config_info"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -34,6 +36,21 @@ class FrontendMetrics:
             except httpx.HTTPError as exc:
                 text += f"# tritonserver metrics unavailable: {exc}\n"
         return text
+
+    async def engine_settings(self, model: str) -> dict[str, str]:
+        """The settings `model`'s engine loaded with (its `tritonlm:model_config_info` labels:
+        the dtype "auto" chose...); empty when tritonserver's metrics cannot be read."""
+        if not self.triton_metrics_url:
+            return {}
+        try:
+            text = (await self.http.get(self.triton_metrics_url)).text
+        except httpx.HTTPError:
+            return {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == CONFIG_INFO and sample.labels.get("model") == model:
+                    return sample.labels
+        return {}
 
     async def close(self) -> None:
         await self.http.aclose()

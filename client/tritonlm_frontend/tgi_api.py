@@ -229,9 +229,12 @@ async def compat_generate(request: Request):
 async def info(request: Request):
     model: ServedModel = await request.app.state.catalog.get(None)
     max_total = model.max_model_len
+    # as the engine loaded it ("auto" settled, engine.json edited), else the converter's
+    loaded = await request.app.state.metrics.engine_settings(model.name)
+    dtype = loaded.get("dtype", model.parameters.get("dtype"))
     return {
         "model_id": model.name, "model_sha": None, "model_pipeline_tag": "text-generation",
-        "model_dtype": model.parameters.get("dtype"), "model_device_type": model.device_type,
+        "model_dtype": dtype, "model_device_type": model.device_type,
         "max_concurrent_requests": MAX_CONCURRENT_REQUESTS, "max_best_of": MAX_BEST_OF,
         "max_stop_sequences": MAX_STOP_SEQUENCES, "max_top_n_tokens": MAX_TOP_N_TOKENS,
         "max_input_tokens": max_total - 1 if max_total else None,

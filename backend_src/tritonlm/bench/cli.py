@@ -15,7 +15,10 @@ from pathlib import Path
 from tritonlm.bench import metrics, report, workloads
 from tritonlm.bench import systems
 from tritonlm.config import DTYPES, WEIGHTS_DIR, EngineConfig
+from tritonlm.engine.auto_dtype import resolve_dtype
 from tritonlm.engine.llm_engine import resolve_model_dir
+from tritonlm.engine.model_runner import resolve_device
+from tritonlm.models.loader import load_config
 
 _CACHE = Path.home() / ".cache" / "tritonlm" / "bench"
 
@@ -47,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[3:]))
     p.add_argument("--model", type=Path, help="converted model dir REPO/NAME (default: SmolLM2)")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16",
-                   help="dtype the default model is converted to (another model: its engine.json)")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="dtype the default model is converted to (another model: its engine.json); "
+                        "auto: the engine's choice for this machine")
     p.add_argument("--mode", nargs="+", choices=("offline", "serve"), default=["offline"])
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=("fixed", "random", "shared-prefix", "sharegpt"),
@@ -154,6 +158,8 @@ def main(argv=None) -> None:
         parser.error("--compare-dtypes needs --compare hf and/or vllm")
     model_dir = args.model or default_model_dir(args.dtype)
     config = EngineConfig.load(resolve_model_dir(model_dir))
+    config.dtype = resolve_dtype(config.dtype, resolve_device(config.device),
+                                 load_config(resolve_model_dir(model_dir) / WEIGHTS_DIR))
     requests = build_workload(args, model_dir)
     vocab = _vocab_size(model_dir)
     prefix = {}

@@ -10,6 +10,7 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 from tritonlm.config import WEIGHTS_DIR, EngineConfig
+from tritonlm.engine.auto_dtype import resolve_dtype
 from tritonlm.engine.block_manager import BlockManager
 from tritonlm.engine.detokenizer import IncrementalDetokenizer
 from tritonlm.engine.generation_config import read_generation_config, sampling_defaults
@@ -48,6 +49,8 @@ class LLMEngine:
         weights_dir = model_dir / WEIGHTS_DIR
         self.config = EngineConfig.load(model_dir, **overrides)
         self.hf_config = load_config(weights_dir)
+        self.config.dtype = resolve_dtype(self.config.dtype, resolve_device(self.config.device),
+                                          self.hf_config)
         self.tokenizer = AutoTokenizer.from_pretrained(weights_dir)
         # Requests are tokenized on Triton's threads; the engine thread decodes with its own copy.
         self._decoder = Tokenizer.from_str(self.tokenizer.backend_tokenizer.to_str())

@@ -7,6 +7,7 @@ import torch
 from tritonlm.config import WEIGHTS_DIR, EngineConfig
 from tritonlm.distributed import parallel_state
 from tritonlm.distributed.ranks import RankGroup, join_process_group
+from tritonlm.engine.auto_dtype import resolve_dtype
 from tritonlm.engine.decode_graphs import DecodeGraphs
 from tritonlm.engine.kv_cache_sizing import cuda_kv_cache_budget, profile_steps
 from tritonlm.engine.prompt_logprobs import prompt_logprobs
@@ -43,7 +44,7 @@ class ModelRunner:
         self.ranks = ranks
         self.is_driver = tp.rank == 0
         self.device = resolve_device(config.device, tp.rank)
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = DTYPES[resolve_dtype(config.dtype, self.device, hf_config)]
         self.block_size = config.block_size
         self.free_at_start = (torch.cuda.mem_get_info(self.device)[0]
                               if self.device.type == "cuda" else None)

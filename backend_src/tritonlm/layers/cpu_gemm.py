@@ -127,10 +127,24 @@ def prepack(weight: torch.Tensor, batch_hint: int, gated: bool = False) -> Packe
     the weight is [gate; up], and the packing may let `matmul` apply act(gate) * up itself."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
-    kernels = cpu_kernels.load()
-    if (kernels is not None and (kernels.has_bf16_dot_products or kernels.vector_lanes == 8)
-            and "amx_bf16" not in cpu_kernels.cpu_flags()):
-        return PairBlockWeight(weight, kernels, gated)
-    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    backend = bf16_matmul_backend()
+    if backend is None:
+        return None
+    if backend.startswith("oneDNN"):
         return OneDnnWeight(weight, batch_hint)
+    return PairBlockWeight(weight, cpu_kernels.load(), gated)
+
+
+def bf16_matmul_backend() -> str | None:
+    """What multiplies bfloat16 weights on this CPU (prepack's choice), in words; None where
+    only PyTorch's generic bfloat16 matmul would."""
+    kernels = cpu_kernels.load()
+    amx = "amx_bf16" in cpu_kernels.cpu_flags()
+    if kernels is not None and not amx:
+        if kernels.has_bf16_dot_products:
+            return "tritonlm's packed matmul (AVX512-BF16)"
+        if kernels.vector_lanes == 8:
+            return "tritonlm's packed matmul (AVX2 + FMA)"
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "oneDNN (AMX)" if amx else "oneDNN"
     return None

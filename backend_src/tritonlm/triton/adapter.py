@@ -45,14 +45,17 @@ class TritonPythonModel:
         self.async_engine.on_death = self._on_engine_death
         self.async_engine.start()
         self.engine = self.async_engine.engine
-        self.engine.observers.append(TritonMetrics(self.model_name, args["model_version"],
-                                                   self.engine.max_model_len))
+        config = self.engine.config
+        self.engine.observers.append(TritonMetrics(
+            self.model_name, args["model_version"], self.engine.max_model_len,
+            {"dtype": config.dtype, "kv_cache_dtype": config.kv_cache_dtype,
+             "device": str(self.engine.runner.device)}))
         endpoint = otlp_endpoint(self.engine.config.otlp_endpoint)
         self.tracer = RequestTracer(endpoint) if endpoint else None
         if self.tracer is not None:
             self.engine.observers.append(self.tracer)
-        logger.info("tritonlm serving %s: %d KV blocks of %d tokens, max_model_len %d",
-                    model_dir, self.engine.runner.num_blocks, self.engine.config.block_size,
+        logger.info("tritonlm serving %s in %s: %d KV blocks of %d tokens, max_model_len %d",
+                    model_dir, config.dtype, self.engine.runner.num_blocks, config.block_size,
                     self.engine.max_model_len)
 
     def execute(self, requests):

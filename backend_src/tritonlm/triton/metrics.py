@@ -26,9 +26,11 @@ def token_buckets(max_model_len: int) -> list[float]:
 class TritonMetrics:
     """An engine observer that updates Triton's Prometheus metrics."""
 
-    def __init__(self, model: str, version: str, max_model_len: int):
+    def __init__(self, model: str, version: str, max_model_len: int, settings: dict[str, str]):
         self._labels = {"model": model, "version": version}
         self._families = []  # a family must outlive its metrics
+        # vLLM's *_config_info idiom: the engine's settings as loaded (the dtype "auto" chose)
+        self._gauge("model_config_info", "Engine settings as labels (value 1)", settings).set(1)
         tokens = token_buckets(max_model_len)
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token",
                                     _TTFT_BUCKETS)
@@ -77,8 +79,8 @@ class TritonMetrics:
     def _counter(self, name, description, labels=None):
         return self._metric(pb_utils.MetricFamily.COUNTER, name, description, labels=labels)
 
-    def _gauge(self, name, description):
-        return self._metric(pb_utils.MetricFamily.GAUGE, name, description)
+    def _gauge(self, name, description, labels=None):
+        return self._metric(pb_utils.MetricFamily.GAUGE, name, description, labels=labels)
 
     def on_step(self, stats: StepStats) -> None:
         self.running.set(stats.num_running)

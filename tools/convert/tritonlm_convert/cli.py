@@ -18,7 +18,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", "-o", required=True, metavar="REPO", help="the model repository to write into")
     parser.add_argument("--name", default="llm", help="model name, the directory REPO/NAME (default: llm)")
     parser.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
-                        help="weight dtype; auto: float32 on CPU and for GGUF, else the checkpoint's")
+                        help="weight dtype; auto (default): chosen where the model loads (CPU: bfloat16 "
+                             "where it has a packed bfloat16 matmul, else float32; GPU: the "
+                             "checkpoint's half dtype), weights stored in the checkpoint's")
     parser.add_argument("--max-model-len", type=int, metavar="N",
                         help="longest sequence served (default: the model's max_position_embeddings)")
     parser.add_argument("--trust-pickle", action="store_true",

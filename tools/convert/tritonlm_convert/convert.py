@@ -103,13 +103,15 @@ def quantize_source(source: Source, config: PretrainedConfig, quantize: str | No
     return precomputed(source, results, bits)
 
 
-def resolve_dtype(requested: str, stored: str | None) -> str:
-    """"auto" means the stored dtype when serving on CUDA, float32 on CPU and for dequantized weights."""
-    if requested != "auto":
-        if requested not in DTYPES:
-            raise ConversionError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {requested!r}")
-        return requested
-    return stored if stored in DTYPES and torch.cuda.is_available() else "float32"
+def resolve_dtype(requested: str, stored: str | None) -> tuple[str, str]:
+    """The engine's dtype and the dtype the weight files hold: the requested one for both, or
+    for "auto" the engine's choice where it loads (tritonlm/engine/auto_dtype.py) over weights
+    kept in the checkpoint's dtype (float32 for dequantized ones)."""
+    if requested == "auto":
+        return "auto", stored if stored in DTYPES else "float32"
+    if requested not in DTYPES:
+        raise ConversionError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {requested!r}")
+    return requested, requested
 
 
 def resolve_max_model_len(requested: int | None, max_positions: int) -> int:
@@ -154,7 +156,7 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
     if kind not in (*INSTANCE_KINDS, "KIND_MODEL"):
         raise ConversionError(f"instance kind must be one of {', '.join(INSTANCE_KINDS)}, got {kind!r}")
     source = open_source(src, trust_pickle)
-    dtype = resolve_dtype(dtype, source.stored_dtype)
+    dtype, stored_dtype = resolve_dtype(dtype, source.stored_dtype)
     resolved = resolve_config(source.raw_config)
     sized = {name: value for name, value in (("kv_cache_memory", kv_cache_memory),
                                              ("gpu_memory_utilization", gpu_memory_utilization))
@@ -167,7 +169,7 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
         raise ConversionError(str(error)) from error
     source = quantize_source(source, resolved, quantize, group_size, calibration, keep_quantized)
     shards = select_tensors(resolved, source.tensor_shapes(), source.load, tp)
-    config = canonical_config(resolved, dtype)
+    config = canonical_config(resolved, stored_dtype)
     tokenizer = source.tokenizer()
     if chat_template is not None:
         tokenizer.chat_template = load_chat_template(tokenizer, chat_template)

@@ -80,7 +80,8 @@ def write_model(model_dir: Path, source: Source, tokenizer: PreTrainedTokenizerB
         _write_json(weights / "config.json", config)
         _write_json(weights / "generation_config.json", source.generation_config())
         for rank, shards in enumerate(ranks):
-            _write_rank(weights / f"rank{rank}.safetensors", source, shards, getattr(torch, engine.dtype))
+            _write_rank(weights / f"rank{rank}.safetensors", source, shards,
+                        getattr(torch, config["torch_dtype"]))
         engine.save(staged)
         (staged / "model.py").write_text(MODEL_PY)
         _swap_in(staged, model_dir / VERSION)

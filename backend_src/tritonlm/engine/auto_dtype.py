@@ -1,0 +1,46 @@
+"""dtype "auto": the weight dtype that runs fastest where the engine loads, settled before any
+rank loads weights (and sent to the other ranks), so a repository converted once serves at the
+right dtype on every host it is moved to.
+
+- CUDA: the checkpoint's half dtype; a float32 checkpoint in bfloat16 where the GPU has it, else
+  float16 (vLLM's rule).
+- CPU: bfloat16 where this CPU multiplies bfloat16 weights with a packed kernel (tritonlm's on
+  AVX2 + FMA or AVX512, oneDNN's AMX or AVX512 one): a decode step reads half the bytes, and the
+  kernels accumulate in float32. Elsewhere float32: PyTorch's generic bfloat16 matmul runs under
+  1 GFLOPS.
+"""
+import logging
+
+import torch
+
+from tritonlm.config import DTYPES
+from tritonlm.layers import cpu_gemm
+
+logger = logging.getLogger(__name__)
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+def resolve_dtype(requested: str, device: torch.device, hf_config) -> str:
+    """The dtype to load weights in: `requested` unless it is "auto"; `hf_config` (the
+    converted config.json) says what the weight files hold."""
+    if requested != "auto":
+        return requested
+    stored = str(getattr(hf_config, "dtype", None)).removeprefix("torch.")
+    dtype, reason = _choose(device, stored if stored in DTYPES else None)
+    logger.info("dtype auto: %s (%s)", dtype, reason)
+    return dtype
+
+
+def _choose(device: torch.device, stored: str | None) -> tuple[str, str]:
+    if device.type == "cuda":
+        if stored in HALF_DTYPES:
+            return stored, "the checkpoint's dtype"
+        if torch.cuda.is_bf16_supported():
+            return "bfloat16", f"{stored or 'a float32'} checkpoint on a GPU with bfloat16"
+        return "float16", f"{stored or 'a float32'} checkpoint on a GPU without bfloat16"
+    if device.type != "cpu":
+        return stored or "float32", f"the checkpoint's dtype on {device.type}"
+    backend = cpu_gemm.bf16_matmul_backend()
+    if backend is None:
+        return "float32", "this CPU has no packed bfloat16 matmul"
+    return "bfloat16", f"bfloat16 weights multiplied by {backend}"
