@@ -21,15 +21,17 @@ needs_bf16_matmul = pytest.mark.skipif(_matmul_kernels() is None,
                                        reason="this CPU has no AVX2 + FMA (the kernel's registers)")
 needs_onednn_bf16 = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                                        reason="oneDNN has no bfloat16 matmuls on this CPU")
-# How the kernel multiplies: bf16 dot products where the CPU has them, widened float32 FMAs.
-MULTIPLY = ["dot", "fma"]
+# How the kernel multiplies: bf16 dot products where the CPU has them, widened float32 FMAs,
+# or the whole weight widened and handed to float32 sgemm (prompts, where that is faster).
+MULTIPLY = ["dot", "fma", "sgemm"]
 
 
 def _packed(weight: torch.Tensor, multiply: str, gated: bool = False) -> cpu_gemm.PairBlockWeight:
     kernels = _matmul_kernels()
     if multiply == "dot" and not kernels.has_bf16_dot_products:
         pytest.skip("this CPU has no AVX512-BF16 dot products")
-    return cpu_gemm.PairBlockWeight(weight, kernels, gated, widen=multiply == "fma")
+    return cpu_gemm.PairBlockWeight(weight, kernels, gated, widen=multiply != "dot",
+                                    sgemm_rows=1 if multiply == "sgemm" else 0)
 
 
 def _errors(out: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
@@ -150,6 +152,28 @@ def test_the_multiply_is_measured_unless_forced(monkeypatch):
                                 torch.zeros(1, 1, 32, 2, dtype=torch.bfloat16), 32)
     with pytest.raises(ValueError, match="'dot' or 'fma'"):
         choice("amx")
+
+
+@needs_bf16_matmul
+def test_prompts_go_to_sgemm_where_measured_faster_unless_forced(monkeypatch):
+    kernels = _matmul_kernels()
+
+    def rows(forced: str | None, widen: bool = True) -> int:
+        cpu_gemm.sgemm_rows_for_this_cpu.cache_clear()
+        if forced is None:
+            monkeypatch.delenv(cpu_gemm.SGEMM_ROWS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(cpu_gemm.SGEMM_ROWS_ENV, forced)
+        try:
+            weight = torch.ones(32, 4, dtype=torch.bfloat16)
+            return cpu_gemm.PairBlockWeight(weight, kernels, widen=widen).sgemm_rows
+        finally:
+            cpu_gemm.sgemm_rows_for_this_cpu.cache_clear()
+
+    assert (rows("0"), rows("64")) == (0, 64)
+    assert rows(None) in (0, cpu_gemm.PROMPT_ROWS)
+    with pytest.raises(ValueError, match="row count"):
+        rows("many")
 
 
 TEXT = ("The history of the city begins in the Roman era, when a small settlement grew along the "

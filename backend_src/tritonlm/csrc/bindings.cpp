@@ -24,7 +24,7 @@ void write_kv_(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor&
                const at::Tensor& v, const at::Tensor& rows);
 at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        bool gated, const std::optional<at::Tensor>& bias, int64_t activation,
-                       bool widen);
+                       bool widen, int64_t sgemm_rows);
 int64_t vector_lanes();
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const std::optional<at::Tensor>& row_scales,
@@ -77,10 +77,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "up] packed in pairs of 16 features) + bias [N] bfloat16 -> [M, N] bfloat16, or with an "
         "activation (0 silu, 1 gelu-tanh) on a gated weight act(gate) * up [M, N / 2]; widen: "
         "float32 FMAs on widened weights instead of AVX512-BF16 dot products "
-        "(has_bf16_dot_products); needs AVX2 + FMA (has_bf16_matmul)",
+        "(has_bf16_dot_products); from sgemm_rows rows (0: never) the weight widened whole "
+        "and multiplied by float32 sgemm; needs AVX2 + FMA (has_bf16_matmul)",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("gated") = false,
         py::arg("bias") = py::none(), py::arg("activation") = -1, py::arg("widen") = false,
-        nogil);
+        py::arg("sgemm_rows") = 0, nogil);
   m.def("quantized_matmul", &quantized_matmul,
         "x [M, K] float32 or bfloat16 @ a quantized weight [N, K] + bias [N] of x's dtype -> "
         "[M, N] of x's dtype. The weight packed as bf16_matmul's: int8 [blocks, ceil(K/2), 32, 2] "

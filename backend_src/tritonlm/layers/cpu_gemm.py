@@ -5,7 +5,8 @@
   bf16 dot products or with float32 FMAs on widened weights, whichever this CPU issues faster
   (Zen 4/5: dot products, twice the FLOPs; Intel Xeons: FMAs, twice the FLOPs of their dot
   products). Measured on Zen 4: 1.8-2x oneDNN at 1-4 rows, 1.2-1.3x at 32 (decode), equal at
-  prompt sizes;
+  prompt sizes. Where its tiles widen as they go, a prompt's matmul may run faster as float32
+  sgemm on the weight widened once (sgemm_rows_for_this_cpu measures it);
 - the same kernel's AVX2 build (widened FMAs in 8 lanes) on CPUs without AVX512, where oneDNN
   has no bf16 matmul and PyTorch's runs under 1 GFLOPS;
 - oneDNN's blocked layout elsewhere: AMX tiles, which an AVX512 kernel cannot match on prompts,
@@ -15,6 +16,7 @@ float32 keeps F.linear (MKL), which is as fast as either.
 """
 import functools
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,10 @@ from tritonlm.layers import cpu_kernels
 
 # "dot" or "fma" forces how the kernel multiplies (benchmarks, tests); unset, it measures.
 MULTIPLY_ENV = "TRITONLM_BF16_MATMUL"
+# From how many rows the kernel hands a widened weight to float32 sgemm (0: never); unset, it
+# measures.
+SGEMM_ROWS_ENV = "TRITONLM_BF16_SGEMM_ROWS"
+PROMPT_ROWS = 512
 
 
 @functools.cache
@@ -40,6 +46,33 @@ def widen_for_this_cpu(kernels) -> bool:
     return not kernels.has_bf16_dot_products or kernels.bf16_dot_product_speedup() < 1
 
 
+@functools.cache
+def sgemm_rows_for_this_cpu(kernels, widen: bool) -> int:
+    """From how many rows bf16_matmul widens the whole weight to float32 and runs sgemm (MKL)
+    instead of its own tiles: PROMPT_ROWS where that measured clearly faster on this CPU (tiles
+    that widen as they go: AVX2, Intel's AVX512 FMAs), else 0 (never: bf16 dot products do twice
+    the FLOPs of float32 FMAs); or what SGEMM_ROWS_ENV says. Measured once per process on a
+    SmolLM2-sized weight (~0.1 s)."""
+    forced = os.environ.get(SGEMM_ROWS_ENV, "")
+    if forced:
+        if not forced.isdigit():
+            raise ValueError(f"{SGEMM_ROWS_ENV} must be a row count (0: never), got {forced!r}")
+        return int(forced)
+    torch.manual_seed(0)
+    packed = pack_pair_blocks(torch.randn(1536, 576, dtype=torch.bfloat16))
+    x = torch.randn(PROMPT_ROWS, 576, dtype=torch.bfloat16)
+
+    def seconds(sgemm_rows: int) -> float:
+        runs = []
+        for _ in range(4):
+            start = time.perf_counter()
+            kernels.bf16_matmul(x, packed, 1536, False, None, -1, widen, sgemm_rows)
+            runs.append(time.perf_counter() - start)
+        return min(runs[1:])  # the first run warms the caches (and sgemm's threads)
+
+    return PROMPT_ROWS if seconds(PROMPT_ROWS) < 0.9 * seconds(0) else 0
+
+
 class PairBlockWeight:
     """A weight [N, K] as [blocks, ceil(K/2), 32, 2]: per block of 32 output features, pairs of
     consecutive input features (zero padded), the layout vdpbf16ps multiplies (and the kernel's
@@ -49,10 +82,12 @@ class PairBlockWeight:
     block = 32
 
     def __init__(self, weight: torch.Tensor, kernels, gated: bool = False,
-                 widen: bool | None = None):
+                 widen: bool | None = None, sgemm_rows: int | None = None):
         self.out_features, self.in_features = weight.shape
         self.gated, self.kernels = gated, kernels
         self.widen = widen_for_this_cpu(kernels) if widen is None else widen
+        self.sgemm_rows = (sgemm_rows_for_this_cpu(kernels, self.widen) if sgemm_rows is None
+                           else sgemm_rows)
         self.data = pack_pair_blocks(weight, gated)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
@@ -64,7 +99,8 @@ class PairBlockWeight:
         if bias is not None:
             bias = bias.to(torch.bfloat16).contiguous()
         out = self.kernels.bf16_matmul(rows, self.data, self.out_features, self.gated, bias,
-                                       -1 if activation is None else activation, self.widen)
+                                       -1 if activation is None else activation, self.widen,
+                                       self.sgemm_rows)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def dense(self) -> torch.Tensor:
