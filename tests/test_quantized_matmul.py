@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tritonlm.layers import cpu_kernels
+from tritonlm.layers import cpu_gemm, cpu_kernels
 from tritonlm.layers.quantization import QuantizedWeight, dequantize, pack_int4
 from tritonlm.layers.quantized_matmul import Int4Groups, PairBlocks
 
@@ -93,14 +93,20 @@ LAYOUTS = {  # name -> (bits, group size or None: one scale per row, act-order, 
 
 
 @pytest.mark.skipif(not OURS, reason="no AVX2 + FMA: torch's kernels run")
+@pytest.mark.parametrize("multiply", ["tiles", "sgemm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 13, 200])
 @pytest.mark.parametrize("out_features,in_features", [(50, 34), (96, 224), (7, 2), (40, 33)])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_our_packed_kernel_takes_any_shape(layout, dtype, rows, out_features, in_features):
+def test_our_packed_kernel_takes_any_shape(layout, dtype, rows, out_features, in_features,
+                                           multiply, monkeypatch):
     """Rows around the kernel's row tiles (3 or 12; a prompt's several tiles share a block widened
     once) and 192-row chunks, features short of its 32-column blocks, an odd input (the last one
-    pairs with padding), groups shorter at the end; the packed copy replaces the storage."""
+    pairs with padding), groups shorter at the end; the packed copy replaces the storage. sgemm:
+    the weight dequantized whole for float32 sgemm, as prompts run where that is faster."""
+    monkeypatch.setenv(cpu_gemm.SGEMM_ROWS_ENV, "1" if multiply == "sgemm" else "0")
+    monkeypatch.setattr(cpu_gemm, "sgemm_rows_for_this_cpu",  # read the variable, cache nothing
+                        cpu_gemm.sgemm_rows_for_this_cpu.__wrapped__)
     bits, group_size, act_order, biases = LAYOUTS[layout]
     if bits == 4 and in_features % 2:
         pytest.skip("4-bit storage packs input columns in pairs")

@@ -34,41 +34,6 @@ double issue_rate(Step step) {
 }
 #endif
 
-// The packed weight as a dense float32 [out_features, k] in feature order (packed_matmul.h's
-// block layout read back: non-gated lane l of block b is feature 32b + l; gated lanes 0..15 are
-// gate features 16b.., lanes 16..31 up features half + 16b..).
-at::Tensor widened_dense(const at::Tensor& packed, const Shape& shape, int64_t k) {
-  auto dense = at::empty({shape.out_features, k}, packed.options().dtype(at::kFloat));
-  // a pair of bfloat16 per lane and pair row: float32's upper halves
-  const auto* ws = reinterpret_cast<const uint32_t*>(packed.data_ptr());
-  auto* ds = reinterpret_cast<uint32_t*>(dense.data_ptr());
-  const int64_t pairs = packed.size(1), whole = k / 2;
-  at::parallel_for(0, shape.blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      uint32_t* rows[kBlock];
-      for (int64_t lane = 0; lane < kBlock; ++lane) {
-        const int64_t in_half = (shape.gated ? 16 * b : kBlock * b) + lane % 16;
-        const int64_t feature = shape.gated ? in_half + (lane < 16 ? 0 : shape.half)
-                                            : kBlock * b + lane;
-        const bool padding = (shape.gated && in_half >= shape.half) || feature >= shape.out_features;
-        rows[lane] = padding ? nullptr : ds + feature * k;
-      }
-      const uint32_t* block = ws + b * pairs * kBlock;
-      for (int64_t lane = 0; lane < kBlock; ++lane) {
-        uint32_t* row = rows[lane];
-        if (row == nullptr) continue;
-        for (int64_t p = 0; p < whole; ++p) {
-          const uint32_t pair = block[p * kBlock + lane];
-          row[2 * p] = pair << 16;
-          row[2 * p + 1] = pair & 0xFFFF0000u;
-        }
-        if (k % 2) row[k - 1] = block[whole * kBlock + lane] << 16;
-      }
-    }
-  });
-  return dense;
-}
-
 }  // namespace
 
 at::Tensor act_and_mul(const at::Tensor& x, int64_t activation);  // fused_ops.cpp
@@ -100,9 +65,9 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   if (sgemm_rows > 0 && m >= sgemm_rows) {
     // Prompt-sized inputs, where float32 sgemm keeps the FMA units busier than tiles that widen
     // as they go: the weight widened once, rounded to bfloat16 as the tiles' output is.
-    const auto bias_f32 = bias ? std::optional<at::Tensor>(bias->to(at::kFloat)) : std::nullopt;
-    auto out = at::linear(x.to(at::kFloat), widened_dense(packed, shape, k), bias_f32)
-                   .to(at::kBFloat16);
+    using Wide = WidenedFma<Native, uint16_t, false, uint16_t>;
+    const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+    auto out = sgemm_matmul(x, dense_weight<Wide>(ws, packed.size(1), {}, shape, k), bias);
     return activation < 0 ? out : act_and_mul(out, activation);
   }
   auto out = at::empty({m, out_cols}, x.options());

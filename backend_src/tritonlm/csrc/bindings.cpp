@@ -29,7 +29,8 @@ int64_t vector_lanes();
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const std::optional<at::Tensor>& row_scales,
                             const std::optional<at::Tensor>& groups, int64_t group_size,
-                            int64_t out_features, const std::optional<at::Tensor>& bias);
+                            int64_t out_features, const std::optional<at::Tensor>& bias,
+                            int64_t sgemm_rows);
 double bf16_dot_product_speedup();
 bool has_bf16_matmul();
 bool has_bf16_dot_products();
@@ -88,9 +89,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "or 4-bit pairs uint8 [blocks, ceil(K/2), 32] (even k in the low nibble); dequantized "
         "by row_scales [N] float32 (int8) or by groups [blocks, G, 2, 32] float32 (per group "
         "of group_size input features, the last one shorter, a scale and a bias per packed "
-        "feature: w = q * scale + bias); needs AVX2 + FMA (has_bf16_matmul)",
+        "feature: w = q * scale + bias); from sgemm_rows rows (0: never) the weight dequantized "
+        "whole and multiplied by float32 sgemm; needs AVX2 + FMA (has_bf16_matmul)",
         py::arg("x"), py::arg("packed"), py::arg("row_scales"), py::arg("groups"),
-        py::arg("group_size"), py::arg("out_features"), py::arg("bias") = py::none(), nogil);
+        py::arg("group_size"), py::arg("out_features"), py::arg("bias") = py::none(),
+        py::arg("sgemm_rows") = 0, nogil);
   m.def("bf16_dot_product_speedup", &bf16_dot_product_speedup,
         "float32 FLOPs per second of vdpbf16ps over FMAs on one core, each measured on independent "
         "accumulators (0 without AVX512-BF16): above 1, dot products multiply bf16 faster",

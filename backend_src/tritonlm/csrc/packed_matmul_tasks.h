@@ -55,6 +55,46 @@ void prewiden(const typename Mul::W* w, int64_t pairs, const float* groups, int6
   }
 }
 
+// The packed weight as a dense float32 [out_features, k] in feature order, for float32 sgemm on
+// prompts: each block widened and dequantized as prewiden does (int8 rows scaled here), its lanes
+// written to their rows (non-gated lane l of block b is feature 32b + l; gated lanes 0..15 are
+// gate features 16b.., lanes 16..31 up features half + 16b..).
+template <typename Mul>
+at::Tensor dense_weight(const typename Mul::W* ws, int64_t pairs, const Dequant& d,
+                        const Shape& s, int64_t k) {
+  using I = typename Mul::Isa;
+  auto dense = at::empty({s.out_features, k}, at::kFloat);
+  float* ds = dense.data_ptr<float>();
+  const int64_t groups_per_block = d.groups ? (pairs + d.group_pairs - 1) / d.group_pairs : 0;
+  at::parallel_for(0, s.blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened(pairs * 2 * kBlock);
+    for (int64_t b = begin; b < end; ++b) {
+      prewiden<Mul>(ws + b * pairs * kPairElems<typename Mul::W>, pairs,
+                    d.groups ? d.groups + b * groups_per_block * 2 * kBlock : nullptr,
+                    d.group_pairs, widened.data());
+      for (int64_t lane = 0; lane < kBlock; ++lane) {
+        const int64_t in_half = (s.gated ? 16 * b : kBlock * b) + lane % 16;
+        const int64_t feature = s.gated ? in_half + (lane < 16 ? 0 : s.half) : kBlock * b + lane;
+        if ((s.gated && in_half >= s.half) || feature >= s.out_features) continue;
+        const float scale = d.row_scales ? d.row_scales[feature] : 1.f;
+        // the lane's even value in a widened pair row; its odd one kLanes further
+        const float* even = widened.data() + lane / I::kLanes * 2 * I::kLanes + lane % I::kLanes;
+        float* row = ds + feature * k;
+        for (int64_t i = 0; i < k; ++i)
+          row[i] = even[i / 2 * 2 * kBlock + i % 2 * I::kLanes] * scale;
+      }
+    }
+  });
+  return dense;
+}
+
+// x [m, k] @ dense.T + bias in float32 sgemm, returned in x's dtype.
+inline at::Tensor sgemm_matmul(const at::Tensor& x, const at::Tensor& dense,
+                               const std::optional<at::Tensor>& bias) {
+  const auto bias_f32 = bias ? std::optional<at::Tensor>(bias->to(at::kFloat)) : std::nullopt;
+  return at::linear(x.to(at::kFloat), dense, bias_f32).to(x.scalar_type());
+}
+
 // x [m, 2 * pairs] as Mul multiplies it, the packed weight, how to dequantize it, the bias or
 // null, out [m, out_cols].
 template <typename Mul, typename O>

@@ -6,7 +6,8 @@
 // - by a scale and a bias per output feature and group of input features (w = q * scale + bias:
 //   GPTQ, round-to-nearest and GGUF groups): a tile adds scale * (its sum of q * x over the
 //   group) + bias * (x's sum over the group).
-// A prompt's row tiles share a block widened once (prewiden in packed_matmul.h).
+// A prompt's row tiles share a block widened once (prewiden in packed_matmul.h), or, where the
+// caller measured float32 sgemm faster (sgemm_rows), the whole weight is dequantized once for it.
 #include "packed_matmul_tasks.h"
 
 namespace tritonlm {
@@ -45,6 +46,24 @@ void run_on(const at::Tensor& x, const at::Tensor& packed, const Dequant& dequan
                     shape, -1);
 }
 
+// Calls run(Type<WidenedFma<...>>{}) with the multiply of the packed weight's layout.
+template <typename X, typename Run>
+void with_layout(bool int4, bool grouped, Run run) {
+  if (int4)
+    run(Type<WidenedFma<Native, Int4Pair, true, X>>{});
+  else if (grouped)
+    run(Type<WidenedFma<Native, int8_t, true, X>>{});
+  else
+    run(Type<WidenedFma<Native, int8_t, false, X>>{});
+}
+
+Dequant dequant_of(const std::optional<at::Tensor>& row_scales,
+                   const std::optional<at::Tensor>& groups, int64_t group_size,
+                   const float* x_sums) {
+  return {row_scales ? row_scales->data_ptr<float>() : nullptr,
+          groups ? groups->data_ptr<float>() : nullptr, (group_size + 1) / 2, x_sums};
+}
+
 template <typename X>
 void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4,
              const std::optional<at::Tensor>& row_scales,
@@ -53,22 +72,18 @@ void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4,
   using T = std::conditional_t<std::is_same_v<X, float>, float, c10::BFloat16>;
   const std::vector<float> x_sums =
       groups ? group_sums<T>(x, groups->size(1), group_size) : std::vector<float>();
-  const Dequant dequant{row_scales ? row_scales->data_ptr<float>() : nullptr,
-                        groups ? groups->data_ptr<float>() : nullptr, (group_size + 1) / 2,
-                        x_sums.data()};
-  if (int4)
-    run_on<WidenedFma<Native, Int4Pair, true, X>, X>(x, packed, dequant, bias, out, shape);
-  else if (groups)
-    run_on<WidenedFma<Native, int8_t, true, X>, X>(x, packed, dequant, bias, out, shape);
-  else
-    run_on<WidenedFma<Native, int8_t, false, X>, X>(x, packed, dequant, bias, out, shape);
+  const Dequant dequant = dequant_of(row_scales, groups, group_size, x_sums.data());
+  with_layout<X>(int4, groups.has_value(), [&](auto type) {
+    run_on<typename decltype(type)::type, X>(x, packed, dequant, bias, out, shape);
+  });
 }
 }  // namespace
 
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const std::optional<at::Tensor>& row_scales,
                             const std::optional<at::Tensor>& groups, int64_t group_size,
-                            int64_t out_features, const std::optional<at::Tensor>& bias) {
+                            int64_t out_features, const std::optional<at::Tensor>& bias,
+                            int64_t sgemm_rows) {
   using namespace packed_matmul;
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) &&
@@ -99,10 +114,20 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(!bias || (bias->scalar_type() == dtype && bias->is_contiguous() &&
                         bias->numel() == out_features),
               "quantized_matmul: bias must be ", out_features, " contiguous values of x's dtype");
+  const Shape shape{m, out_features, out_features, kBlock / 2, blocks, false};
+  if (sgemm_rows > 0 && m >= sgemm_rows) {  // prompts: the weight dequantized once, sgemm
+    at::Tensor dense;
+    with_layout<float>(int4, groups.has_value(), [&](auto type) {
+      using Mul = typename decltype(type)::type;
+      dense = dense_weight<Mul>(reinterpret_cast<const typename Mul::W*>(packed.data_ptr()),
+                                pairs, dequant_of(row_scales, groups, group_size, nullptr),
+                                shape, k);
+    });
+    return sgemm_matmul(x, dense, bias);
+  }
   auto out = at::empty({m, out_features}, x.options());
   if (m == 0) return out;
   const at::Tensor even = k % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
-  const Shape shape{m, out_features, out_features, kBlock / 2, blocks, false};
   if (dtype == at::kFloat)
     run_for<float>(even, packed, int4, row_scales, groups, group_size, bias, out, shape);
   else
@@ -112,7 +137,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
 #else
 at::Tensor quantized_matmul(const at::Tensor&, const at::Tensor&,
                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                            int64_t, int64_t, const std::optional<at::Tensor>&) {
+                            int64_t, int64_t, const std::optional<at::Tensor>&, int64_t) {
   TORCH_CHECK(false, "quantized_matmul: built for a CPU without AVX2 + FMA");
 }
 #endif

@@ -90,9 +90,13 @@ class PairBlocks(nn.Module):
     owns_weight = True  # a packed copy: the storage it was made from can go
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
-                 g_idx: torch.Tensor, group_size: int, kernels):
+                 g_idx: torch.Tensor, group_size: int, kernels, sgemm_rows: int | None = None):
         super().__init__()
         self.out_features, self.kernels = values.shape[0], kernels
+        # prompts: the weight dequantized once and run by float32 sgemm, where that is faster
+        # than the kernel's tiles (measured on the bf16 tiles, which widen alike)
+        self.sgemm_rows = (cpu_gemm.sgemm_rows_for_this_cpu(kernels, True) if sgemm_rows is None
+                           else sgemm_rows)
         self.order, values = _sorted_by_group(values, g_idx)
         self.group_size = group_size
         four_bits = values.dtype == torch.uint8
@@ -118,7 +122,8 @@ class PairBlocks(nn.Module):
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
         out = self.kernels.quantized_matmul(flat, self.packed, self.row_scales, self.groups,
-                                            self.group_size, self.out_features)
+                                            self.group_size, self.out_features, None,
+                                            self.sgemm_rows)
         return out.view(*x.shape[:-1], -1)
 
 
