@@ -10,7 +10,7 @@ QUESTIONS = [
     "Describe the moon in one sentence.", "What does a bee make?", "Suggest a name for a cat.",
     "What is the largest ocean?", "List two fruits.", "Why is the sky blue?", "Say hello in French.",
 ]
-PARAMS = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

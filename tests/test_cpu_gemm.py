@@ -121,21 +121,29 @@ def test_prepacked_linear_equals_f_linear_and_keeps_its_dense_weight(pack):
     assert layer(x[:1]).shape == (1, 160)  # any row count, whatever the hint
 
 
+def _packing_choice(monkeypatch, measured, variable: str, forced: str | None, attribute: str):
+    """A new PairBlockWeight's `attribute` with `variable` set to `forced` (None: unset, so that
+    the cached `measured` function measures afresh)."""
+    measured.cache_clear()
+    if forced is None:
+        monkeypatch.delenv(variable, raising=False)
+    else:
+        monkeypatch.setenv(variable, forced)
+    try:
+        weight = torch.ones(32, 4, dtype=torch.bfloat16)
+        return getattr(cpu_gemm.PairBlockWeight(weight, _matmul_kernels()), attribute)
+    finally:
+        measured.cache_clear()
+
+
 @needs_bf16_matmul
 def test_the_multiply_is_measured_unless_forced(monkeypatch):
     kernels = _matmul_kernels()
     has_dot = kernels.has_bf16_dot_products
 
     def choice(forced: str | None) -> bool:
-        cpu_gemm.widen_for_this_cpu.cache_clear()
-        if forced is None:
-            monkeypatch.delenv(cpu_gemm.MULTIPLY_ENV, raising=False)
-        else:
-            monkeypatch.setenv(cpu_gemm.MULTIPLY_ENV, forced)
-        try:
-            return cpu_gemm.PairBlockWeight(torch.ones(32, 4, dtype=torch.bfloat16), kernels).widen
-        finally:
-            cpu_gemm.widen_for_this_cpu.cache_clear()
+        return _packing_choice(monkeypatch, cpu_gemm.widen_for_this_cpu, cpu_gemm.MULTIPLY_ENV,
+                               forced, "widen")
 
     assert choice("fma") is True
     if has_dot:
@@ -156,19 +164,9 @@ def test_the_multiply_is_measured_unless_forced(monkeypatch):
 
 @needs_bf16_matmul
 def test_prompts_go_to_sgemm_where_measured_faster_unless_forced(monkeypatch):
-    kernels = _matmul_kernels()
-
-    def rows(forced: str | None, widen: bool = True) -> int:
-        cpu_gemm.sgemm_rows_for_this_cpu.cache_clear()
-        if forced is None:
-            monkeypatch.delenv(cpu_gemm.SGEMM_ROWS_ENV, raising=False)
-        else:
-            monkeypatch.setenv(cpu_gemm.SGEMM_ROWS_ENV, forced)
-        try:
-            weight = torch.ones(32, 4, dtype=torch.bfloat16)
-            return cpu_gemm.PairBlockWeight(weight, kernels, widen=widen).sgemm_rows
-        finally:
-            cpu_gemm.sgemm_rows_for_this_cpu.cache_clear()
+    def rows(forced: str | None) -> int:
+        return _packing_choice(monkeypatch, cpu_gemm.sgemm_rows_for_this_cpu,
+                               cpu_gemm.SGEMM_ROWS_ENV, forced, "sgemm_rows")
 
     assert (rows("0"), rows("64")) == (0, 64)
     assert rows(None) in (0, cpu_gemm.PROMPT_ROWS)
