@@ -157,9 +157,10 @@ def main(argv=None) -> None:
     if args.compare_dtypes and not args.compare:
         parser.error("--compare-dtypes needs --compare hf and/or vllm")
     model_dir = args.model or default_model_dir(args.dtype)
-    config = EngineConfig.load(resolve_model_dir(model_dir))
+    version_dir = resolve_model_dir(model_dir)
+    config = EngineConfig.load(version_dir)
     config.dtype = resolve_dtype(config.dtype, resolve_device(config.device),
-                                 load_config(resolve_model_dir(model_dir) / WEIGHTS_DIR))
+                                 load_config(version_dir / WEIGHTS_DIR))
     requests = build_workload(args, model_dir)
     vocab = _vocab_size(model_dir)
     prefix = {}
