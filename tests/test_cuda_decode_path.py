@@ -91,7 +91,7 @@ def test_graph_buffers_give_transformers_tokens(tmp_path, smollm2_tokenizer, gra
 
 
 def test_only_decode_steps_that_fit_are_the_graphs():
-    graphs = DecodeGraphs(None, num_kv_heads=2, block_size=8, max_model_len=64, max_num_seqs=4,
+    graphs = DecodeGraphs(None, num_kv_heads=2, block_size=8, max_model_len=64, buckets=batch_buckets(4),
                           scratch_block=10, windows=[], device=torch.device("cpu"))
 
     def chunk(tokens=1, blocks=2, encoder=None):

@@ -30,7 +30,8 @@ class EngineConfig:
     # (and its last); above 1 each response costs the transport less (vLLM's --stream-interval).
     stream_interval: int = 1
     device: str = "auto"
-    # CUDA: run decode steps eagerly instead of replaying CUDA graphs (engine/decode_graphs.py)
+    # Run decode steps eagerly instead of replaying CUDA graphs or CPU op programs
+    # (engine/decode_graphs.py)
     enforce_eager: bool = False
     # OTLP/HTTP traces endpoint (TRITONLM_OTLP_ENDPOINT overrides it); None: no tracing
     otlp_endpoint: str | None = None

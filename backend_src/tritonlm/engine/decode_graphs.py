@@ -5,15 +5,26 @@ ids, positions, the cache rows the new K/V go to, the block rows of every sequen
 max_model_len) and the context lengths the paged decode kernel reads. Rows past the step's are
 padding: they write to and attend over a scratch block no sequence owns.
 
-Off CUDA nothing is captured and a step runs the same buffers eagerly (how the tests check the
-buffers and the padding, with the Triton decode kernel under Triton's CPU interpreter).
+On CPU with the C++ kernels a step size is recorded as an op program (engine/op_programs.py) the
+first time it runs, and replayed after: the same buffers, no Python per op. CPU sizes are exact
+(a padding row costs compute there, not just a launch), recorded while the programs' own tensors
+fit PROGRAM_MEMORY; the sizes past it run eagerly. Otherwise a step runs
+the buffers eagerly (how the tests check the buffers and the padding, with the Triton decode
+kernel under Triton's CPU interpreter).
 """
+import logging
+
 import numpy as np
 import torch
 
 from tritonlm.engine.step_inputs import pad_tables
 from tritonlm.engine.step_plan import ScheduledChunk
+from tritonlm.engine.op_programs import ProgramRecorder, RecordingRefused
 from tritonlm.layers.attention_metadata import AttentionMetadata, DecodeRows, write_locations
+
+logger = logging.getLogger(__name__)
+# What the CPU op programs' intermediate tensors may hold together (each size holds its own).
+PROGRAM_MEMORY = 256 << 20
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -22,17 +33,25 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return sorted(sizes | {max_num_seqs})
 
 
+def program_buckets(max_num_seqs: int) -> list[int]:
+    """The batch sizes recorded as CPU op programs: each one."""
+    return list(range(1, max_num_seqs + 1))
+
+
 class DecodeGraphs:
     def __init__(self, model, num_kv_heads: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int, scratch_block: int, windows: list[int | None],
-                 device: torch.device):
+                 buckets: list[int], scratch_block: int, windows: list[int | None],
+                 device: torch.device, op_program: type | None = None):
+        """`op_program`: the C++ OpProgram class, to record each size on first use (CPU)."""
         self.model = model
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         self.scratch_block = scratch_block
         self.windows = windows  # the other layers' sliding windows: they share the metadata
-        self.buckets = batch_buckets(max_num_seqs)
+        self.buckets = buckets
+        self.op_program = op_program
+        self.program_bytes = 0
         rows = self.buckets[-1]
 
         def buffer(*shape, fill=0):
@@ -43,7 +62,7 @@ class DecodeGraphs:
         self.blocks = buffer(rows, num_kv_heads, self.max_blocks)
         self.context_lens = buffer(rows, fill=1)
         self.token_index = torch.arange(rows, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # or OpPrograms
         self.outputs: dict[int, torch.Tensor] = {}
 
     def covers(self, chunks: list[ScheduledChunk]) -> bool:
@@ -75,7 +94,25 @@ class DecodeGraphs:
         if bucket in self.graphs:
             self.graphs[bucket].replay()
             return self.outputs[bucket][:len(chunks)]
+        if self.op_program is not None and self.program_bytes < PROGRAM_MEMORY:
+            return self._record(bucket)[:len(chunks)]
         return self._forward(bucket)[:len(chunks)]
+
+    def _record(self, bucket: int) -> torch.Tensor:
+        """This step, run and recorded as the bucket's op program; a step the recording refuses
+        (its ops are written again by the eager run) turns recording off."""
+        program = self.op_program()
+        try:
+            with ProgramRecorder(program) as recorder:
+                out = self._forward(bucket)
+        except RecordingRefused as e:
+            logger.warning("CPU decode steps run eagerly: the model's step cannot be recorded "
+                           "(%s)", e)
+            self.op_program = None
+            return self._forward(bucket)
+        self.graphs[bucket], self.outputs[bucket] = program, out
+        self.program_bytes += recorder.result_bytes
+        return out
 
     def _forward(self, bucket: int) -> torch.Tensor:
         meta = AttentionMetadata(

@@ -8,7 +8,7 @@ from tritonlm.config import WEIGHTS_DIR, EngineConfig
 from tritonlm.distributed import parallel_state
 from tritonlm.distributed.ranks import RankGroup, join_process_group
 from tritonlm.engine.auto_dtype import resolve_dtype
-from tritonlm.engine.decode_graphs import DecodeGraphs
+from tritonlm.engine.decode_graphs import DecodeGraphs, batch_buckets, program_buckets
 from tritonlm.engine.kv_cache_sizing import cuda_kv_cache_budget, profile_steps
 from tritonlm.engine.prompt_logprobs import prompt_logprobs
 from tritonlm.engine.step_inputs import StepInputBuilder
@@ -71,21 +71,31 @@ class ModelRunner:
         self.num_blocks = self._size_kv_cache()
         if self._decode_graphs_usable():
             self._allocate_kv_cache(self.num_blocks + 1)  # the last: the padding rows' scratch
+            record = self._records_programs()
             self.decode_graphs = DecodeGraphs(
                 self.model, self.attention_layers[0].num_kv_heads, self.block_size,
-                config.max_model_len, config.max_num_seqs, self.num_blocks,
-                [spec.sliding_window for spec in self.inputs.window_specs], self.device)
+                config.max_model_len, (program_buckets if record else batch_buckets)(
+                    config.max_num_seqs), self.num_blocks,
+                [spec.sliding_window for spec in self.inputs.window_specs], self.device,
+                cpu_kernels.load().OpProgram if record else None)
             if self.device.type == "cuda":
                 self.decode_graphs.capture()
         else:
             self._allocate_kv_cache(self.num_blocks)
 
     def _decode_graphs_usable(self) -> bool:
-        """CUDA graphs need the fixed shapes of the paged decode kernel (not flash-attn's varlen
-        metadata), one rank (no collectives inside a graph) and a decoder-only model."""
-        return (self.device.type == "cuda" and not self.config.enforce_eager
+        """CUDA graphs and CPU op programs need the fixed shapes of the paged decode kernel (not
+        flash-attn's varlen metadata), one rank (no collectives inside a graph) and a
+        decoder-only model; CPU programs also need the C++ decode kernel (all tensor work in
+        dispatcher ops, which a program records)."""
+        return (not self.config.enforce_eager
                 and self.attention_layers[0].kernels.decode is not None
-                and parallel_state.current().world_size == 1 and not self.encoder_decoder)
+                and parallel_state.current().world_size == 1 and not self.encoder_decoder
+                and (self.device.type == "cuda" or self._records_programs()))
+
+    def _records_programs(self) -> bool:
+        return self.device.type == "cpu" and self.attention_layers[0].kernels.decode is getattr(
+            cpu_kernels.load(), "decode_attention", None)
 
     def _paged_kernels(self) -> PagedKernels:
         """The kernels that read the paged cache in place, where they can run every layer: they

@@ -60,12 +60,29 @@ def _build_dir() -> Path:
 
 
 
-def _import(directory: Path):
+class Kernels:
+    """The built extension: its kernels as torch ops (torch.ops.<extension name>, where dispatch
+    modes see them: engine/op_programs.py records them), and the module's CPU features and
+    OpProgram."""
+    OPS = ("decode_attention", "prefill_attention", "rms_norm", "act_and_mul", "rotary_",
+           "argmax_logsumexp", "write_kv_", "bf16_matmul", "quantized_matmul")
+
+    def __init__(self, module):
+        self.module = module
+        ops = getattr(torch.ops, module.__name__)
+        for name in self.OPS:  # the overloads themselves: no overload resolution per call
+            setattr(self, name, getattr(ops, name).default)
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)
+
+
+def _import(directory: Path) -> Kernels:
     library = directory / f"{directory.name}.so"
     spec = importlib.util.spec_from_file_location(directory.name, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module
+    return Kernels(module)
 
 
 def build(verbose: bool = False):
@@ -95,7 +112,7 @@ def build(verbose: bool = False):
         finally:
             os.environ["PATH"] = path
         done.touch()
-        return module
+        return Kernels(module)
 
 
 def load():

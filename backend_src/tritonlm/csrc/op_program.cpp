@@ -1,0 +1,101 @@
+// Op programs: the dispatcher ops of one model step, recorded once with their arguments and
+// replayed from C++ with no Python in between (engine/op_programs.py records them). On CPU this
+// is what a CUDA graph is for a GPU: a decode step's few hundred small ops cost their own time
+// only, not the interpreter's per op. Every argument tensor stays the one recorded, so a replay
+// reads what the caller copied into the step's input tensors and writes where the recorded run
+// wrote; a functional op's fresh result is copied into the tensor the recorded run returned,
+// which the later ops (and the caller) hold.
+#include <torch/extension.h>
+#include <ATen/ScalarOps.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace tritonlm {
+namespace {
+
+// A Python number where the schema takes a Tensor (`x * 2`: dispatch modes see the 2 unwrapped),
+// wrapped as the argument parser wraps it, so type promotion treats it as a scalar again.
+py::tuple wrap_numbers(const c10::FunctionSchema& schema, const py::tuple& args) {
+  py::tuple wrapped(args.size());
+  for (size_t i = 0; i < args.size(); ++i) {
+    const py::handle arg = args[i];
+    const bool number = PyFloat_Check(arg.ptr()) || PyLong_Check(arg.ptr());
+    if (number && i < schema.arguments().size() &&
+        schema.arguments()[i].type()->kind() == c10::TypeKind::TensorType) {
+      auto tensor = c10::scalar_to_tensor(torch::jit::toIValue(arg, c10::NumberType::get()).toScalar());
+      tensor.unsafeGetTensorImpl()->set_wrapped_number(true);
+      wrapped[i] = py::cast(tensor);
+    } else {
+      wrapped[i] = arg;
+    }
+  }
+  return wrapped;
+}
+
+struct RecordedOp {
+  c10::OperatorHandle op;
+  torch::jit::Stack arguments;
+  std::vector<std::optional<at::Tensor>> results;  // where each replay's results go
+};
+
+class OpProgram {
+ public:
+  void add(const std::string& name, const std::string& overload, const py::tuple& args,
+           const py::dict& kwargs, const std::vector<std::optional<at::Tensor>>& results) {
+    auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+    const auto& schema = op.schema();
+    TORCH_CHECK(results.size() == schema.returns().size(), "op program: ", name, " returns ",
+                schema.returns().size(), " values, ", results.size(), " recorded");
+    for (const auto& ret : schema.returns()) {
+      TORCH_CHECK(ret.type()->kind() != c10::TypeKind::ListType, "op program: ", name,
+                  " returns a list, which a replay cannot copy into place");
+    }
+    auto stack = torch::jit::createStackForSchema(
+        schema, torch::jit::tuple_slice(wrap_numbers(schema, args)), py::reinterpret_borrow<py::kwargs>(kwargs),
+        std::nullopt);
+    ops_.push_back({op, std::move(stack), results});
+  }
+
+  void replay() {
+    c10::InferenceMode inference;  // the recorded tensors are inference tensors
+    for (auto& recorded : ops_) {
+      torch::jit::Stack stack = recorded.arguments;
+      recorded.op.callBoxed(stack);
+      for (size_t i = 0; i < recorded.results.size(); ++i) {
+        const auto& target = recorded.results[i];
+        if (!target || !stack[i].isTensor() || stack[i].toTensor().is_same(*target)) continue;
+        const auto& result = stack[i].toTensor();
+        TORCH_CHECK(result.sizes() == target->sizes(), "op program: ",
+                    recorded.op.schema().name(), " returned ", result.sizes(),
+                    " where its recording returned ", target->sizes());
+        target->copy_(result);
+      }
+    }
+  }
+
+  size_t size() const { return ops_.size(); }
+
+ private:
+  std::vector<RecordedOp> ops_;
+};
+
+}  // namespace
+
+void bind_op_program(py::module_& m) {
+  py::class_<OpProgram>(m, "OpProgram",
+                        "Dispatcher ops recorded with their arguments, replayed in order")
+      .def(py::init<>())
+      .def("add", &OpProgram::add,
+           "Appends op name.overload (e.g. aten::index, Tensor) called with args and kwargs; "
+           "results: per returned value the tensor a replay copies it into (None: dropped)",
+           py::arg("name"), py::arg("overload"), py::arg("args"), py::arg("kwargs"),
+           py::arg("results"))
+      .def("replay", &OpProgram::replay, "Runs every op in order, without the GIL",
+           py::call_guard<py::gil_scoped_release>())
+      .def("__len__", &OpProgram::size);
+}
+
+}  // namespace tritonlm

@@ -1,0 +1,141 @@
+"""CPU op programs (engine/op_programs.py, csrc/op_program.cpp): a recorded step replayed from C++
+must do what running the step again does, on new inputs, in place and out of place; what a
+program cannot replay must refuse the recording; and an engine's decode steps must run through
+programs and still give transformers' greedy tokens, falling back to eager steps where a model
+cannot be recorded or the programs' memory is spent."""
+import logging
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from family_check import assert_matches_transformers, random_prompts, reference_greedy
+from tritonlm import SamplingParams
+from tritonlm.engine import decode_graphs
+from tritonlm.engine.op_programs import ProgramRecorder, RecordingRefused
+from tritonlm.layers import cpu_kernels
+from tritonlm.layers.rotary import RotaryEmbedding
+
+KERNELS = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(KERNELS is None or not KERNELS.has_bf16_matmul,
+                                reason="needs the C++ CPU kernels")
+LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15)
+
+
+def fresh_state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"ids": torch.randint(0, 50, (3,), generator=g),
+            "table": torch.randn(50, 64, generator=g).bfloat16(),
+            "norm": torch.rand(64, generator=g).bfloat16() + 0.5,
+            "weight": torch.randn(96, 64, generator=g).bfloat16(),
+            "cos": torch.rand(3, 16, generator=g).bfloat16(),
+            "sin": torch.rand(3, 16, generator=g).bfloat16(),
+            "cache": torch.zeros(8, 16).bfloat16(), "cache_v": torch.zeros(8, 16).bfloat16(),
+            "rows": torch.tensor([1, 4, 6])}
+
+
+def step(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Our ops and aten ops, functional and in place, with views between them."""
+    x = s["table"][s["ids"]]
+    residual = x * 2
+    normed = KERNELS.rms_norm(x, s["norm"], 1e-5)
+    y = normed @ s["weight"].T  # [3, 96]
+    heads = y.view(3, 6, 16)
+    KERNELS.rotary_(heads, s["cos"], s["sin"])
+    KERNELS.write_kv_(s["cache"], s["cache_v"], heads[:, :1].contiguous(),
+                      heads[:, 1:2].contiguous(), s["rows"])
+    out = KERNELS.rms_norm(torch.softmax(y[:, :64].float(), -1).bfloat16(), s["norm"], 1e-5,
+                           residual)
+    out.add_(residual)
+    return torch.cat([out, s["cache"].view(-1, 64)[:2]])
+
+
+@torch.inference_mode()
+def test_replay_redoes_the_step_on_new_inputs():
+    state = fresh_state(0)
+    program = KERNELS.OpProgram()
+    with ProgramRecorder(program) as recorder:
+        out = step(state)
+    assert 0 < len(program) < 20 and recorder.result_bytes > 0
+    for seed in (1, 2):
+        inputs = fresh_state(seed)
+        for name in ("ids", "table", "cos", "sin", "rows"):
+            state[name].copy_(inputs[name])
+        expected_state = {name: t.clone() for name, t in state.items()}
+        expected = step(expected_state)
+        program.replay()
+        assert torch.equal(out, expected)
+        for name in state:
+            assert torch.equal(state[name], expected_state[name]), name
+
+
+@torch.inference_mode()
+def test_views_are_not_recorded():
+    x = torch.randn(4, 6)
+    program = KERNELS.OpProgram()
+    with ProgramRecorder(program):
+        y = x.view(2, 12)[:, 3:].t().unsqueeze(0).to(torch.float32)[0]
+        z = y.mul(3)
+    assert len(program) == 1
+    x.fill_(1)
+    program.replay()
+    assert torch.equal(z, torch.full_like(z, 3))
+
+
+@pytest.mark.parametrize("what", ["item", "bool", "python data", "nonzero"])
+@torch.inference_mode()
+def test_value_dependent_steps_are_refused(what):
+    x = torch.randn(5)
+    steps = {"item": lambda: x * x.max().item(),
+             "bool": lambda: x * 2 if bool((x > 0).any()) else x,
+             "python data": lambda: x + torch.tensor([1.0, 2, 3, 4, 5]),
+             "nonzero": lambda: x[x > 0]}
+    with pytest.raises(RecordingRefused), ProgramRecorder(KERNELS.OpProgram()):
+        steps[what]()
+
+
+def recorded_sizes(llm) -> list[int]:
+    graphs = llm.engine.runner.decode_graphs
+    assert all(isinstance(p, KERNELS.OpProgram) for p in graphs.graphs.values())
+    return sorted(graphs.graphs)
+
+
+@pytest.mark.parametrize("model_class,config_class,settings", [
+    (LlamaForCausalLM, LlamaConfig, LLAMA),
+    (MistralForCausalLM, MistralConfig, {**LLAMA, "sliding_window": 7})], ids=["llama", "mistral"])
+def test_decode_steps_run_as_programs_with_transformers_tokens(
+        tmp_path, smollm2_tokenizer, model_class, config_class, settings):
+    config = config_class(**settings, vocab_size=len(smollm2_tokenizer))
+    llm, hf, _ = assert_matches_transformers(tmp_path, model_class, config, smollm2_tokenizer,
+                                             num_prompts=3, new_tokens=10)
+    assert recorded_sizes(llm) == [1, 3]
+    # Batches shrinking as sequences finish replay the programs of every size on the way.
+    prompts = random_prompts(5, config.vocab_size, seed=1)
+    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True)
+              for i in range(5)]
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [reference_greedy(hf, p, 3 + 2 * i)
+                                              for i, p in enumerate(prompts)]
+    assert recorded_sizes(llm) == [1, 2, 3, 4, 5]
+
+
+def test_unrecordable_models_and_spent_memory_decode_eagerly(
+        tmp_path, smollm2_tokenizer, monkeypatch, caplog):
+    config = LlamaConfig(**LLAMA, vocab_size=len(smollm2_tokenizer))
+    monkeypatch.setattr(decode_graphs, "PROGRAM_MEMORY", 1)  # full after the first program
+    llm, _, _ = assert_matches_transformers(tmp_path / "a", LlamaForCausalLM, config,
+                                            smollm2_tokenizer, num_prompts=3, new_tokens=6)
+    assert recorded_sizes(llm) == [1]
+
+    cos_sin = RotaryEmbedding.cos_sin
+
+    def reading_a_value(self, positions, meta, dtype):
+        assert positions.max().item() >= 0  # what a program could not retake
+        return cos_sin(self, positions, meta, dtype)
+    monkeypatch.setattr(RotaryEmbedding, "cos_sin", reading_a_value)
+    with caplog.at_level(logging.WARNING, logger="tritonlm.engine.decode_graphs"):
+        llm, _, _ = assert_matches_transformers(tmp_path / "b", LlamaForCausalLM, config,
+                                                smollm2_tokenizer, num_prompts=3, new_tokens=6)
+    assert recorded_sizes(llm) == []
+    assert "cannot be recorded" in caplog.text and "aten.item" in caplog.text
