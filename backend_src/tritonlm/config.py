@@ -33,6 +33,10 @@ class EngineConfig:
     # Run decode steps eagerly instead of replaying CUDA graphs or CPU op programs
     # (engine/decode_graphs.py)
     enforce_eager: bool = False
+    # TGI's watermark (tritonlm/watermark.py), for requests that ask: the green list's share of
+    # the vocabulary and the logit added on it
+    watermark_gamma: float = 0.5
+    watermark_delta: float = 2.0
     # OTLP/HTTP traces endpoint (TRITONLM_OTLP_ENDPOINT overrides it); None: no tracing
     otlp_endpoint: str | None = None
 
@@ -48,6 +52,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not 0 < self.watermark_gamma < 1:
+            raise ValueError(f"watermark_gamma must be in (0, 1), got {self.watermark_gamma}")
+        if not self.watermark_delta > 0:
+            raise ValueError(f"watermark_delta must be > 0, got {self.watermark_delta}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, fields
 from tritonlm.errors import InvalidRequestError
 
 # Keys of the contract that later issues implement; naming them gives a precise error.
-_NOT_YET_SUPPORTED = frozenset({"guided_json", "guided_regex", "watermark"})
+_NOT_YET_SUPPORTED = frozenset({"guided_json", "guided_regex"})
 MAX_SEQUENCES = 16
 MAX_LOGPROBS = 20
 
@@ -36,6 +36,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top alternatives to report per prompt token
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
+    watermark: bool = False  # TGI's (tritonlm/watermark.py)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -120,7 +121,7 @@ _FIELD_TYPES = {
     "truncate_prompt_tokens": (int, type(None)),
     "seed": (int, type(None)), "stop": list,
     "stop_token_ids": list, "bad_words": list, "include_stop_str_in_output": bool, "ignore_eos": bool,
-    "skip_special_tokens": bool,
+    "skip_special_tokens": bool, "watermark": bool,
 }
 _ELEMENT_TYPES = {"stop": str, "bad_words": str, "stop_token_ids": int}
 

@@ -66,8 +66,6 @@ class GenerateParameters(_Lenient):
 
     def check(self, stream: bool) -> None:
         """TGI's router validation (messages as TGI words them)."""
-        if self.watermark:
-            raise invalid("`watermark` is not supported yet", "parameters.watermark")
         if self.grammar is not None:
             raise invalid("`grammar` is not supported yet (structured output)",
                           "parameters.grammar")
@@ -151,7 +149,7 @@ class GenerateParameters(_Lenient):
             values["seed"] = self.seed if self.seed is not None else random.randrange(MAX_SEED)
         else:
             values["temperature"] = 0.0
-        for key in ("repetition_penalty", "frequency_penalty", "stop", "ignore_eos"):
+        for key in ("repetition_penalty", "frequency_penalty", "stop", "ignore_eos", "watermark"):
             if getattr(self, key):
                 values[key] = getattr(self, key)
         if self.max_new_tokens is not None:

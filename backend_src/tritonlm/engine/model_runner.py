@@ -11,6 +11,7 @@ from tritonlm.engine.auto_dtype import resolve_dtype
 from tritonlm.engine.decode_graphs import DecodeGraphs, batch_buckets, program_buckets
 from tritonlm.engine.kv_cache_sizing import cuda_kv_cache_budget, profile_steps
 from tritonlm.engine.prompt_logprobs import prompt_logprobs
+from tritonlm.engine.sampling_inputs import SamplingInputs
 from tritonlm.engine.step_inputs import StepInputBuilder
 from tritonlm.engine.step_plan import SampledToken, StepPlan, StepResult
 from tritonlm.layers import cpu_kernels, triton_paged_attention, triton_support
@@ -18,7 +19,7 @@ from tritonlm.layers.attention import (PagedAttention, PagedKernels, cache_block
                                        flash_attention_usable)
 from tritonlm.layers.attention_metadata import AttentionSpec
 from tritonlm.layers.kv_cache import KVCache
-from tritonlm.layers.sampler import SamplingTensors, sample
+from tritonlm.layers.sampler import sample
 from tritonlm.layers.token_counts import TokenCounts
 from tritonlm.models.loader import load_config, load_model
 
@@ -66,6 +67,8 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.kernels = kernels
         self.token_counts = TokenCounts(hf_config.vocab_size, self.device)
+        self.sampling_inputs = SamplingInputs(self.token_counts, config.watermark_gamma,
+                                              config.watermark_delta, self.device)
         self.encoder_decoder = bool(getattr(hf_config, "is_encoder_decoder", False))
         self.decode_graphs = None
         self.num_blocks = self._size_kv_cache()
@@ -232,7 +235,7 @@ class ModelRunner:
         if not sampling_chunks:
             return {}
         logits = self.model.compute_logits(hidden[sample_index])
-        out = sample(logits, self._sampling_tensors(sampling_chunks))
+        out = sample(logits, self.sampling_inputs.build(sampling_chunks, logits.shape[-1]))
         tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()
         top_ids, top_logprobs = out.top_ids.tolist(), out.top_logprobs.tolist()
         results = {}
@@ -241,44 +244,6 @@ class ModelRunner:
             top = list(zip(top_ids[i][:n], top_logprobs[i][:n]))
             results[chunk.seq_id] = SampledToken(tokens[i], logprobs[i], top)
         return results
-
-    def _sampling_tensors(self, chunks) -> SamplingTensors:
-        rows = [c.sampling for c in chunks]
-        values = {name: torch.tensor([getattr(r.params, name) for r in rows], dtype=torch.float32)
-                  for name in _FLOAT_PARAMS}
-        top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.int64)
-        truncating = ((top_k > 0) | (values["top_p"] < 1) | (values["min_p"] > 0)
-                      | (values["typical_p"] < 1))
-        tensors = SamplingTensors(
-            **{name: value.to(self.device) for name, value in values.items()},
-            top_k=top_k.to(self.device),
-            seeds=torch.tensor([r.seed for r in rows], dtype=torch.int64, device=self.device),
-            steps=torch.tensor([r.output_index for r in rows], dtype=torch.int64,
-                               device=self.device),
-            num_logprobs=max(r.params.logprobs or 0 for r in rows),
-            banned_rows=torch.tensor([i for i, r in enumerate(rows) for _ in r.banned],
-                                     dtype=torch.int64, device=self.device),
-            banned_tokens=torch.tensor([t for r in rows for t in r.banned], dtype=torch.int64,
-                                       device=self.device),
-            **self._bias_tensors(rows),
-            all_greedy=bool((values["temperature"] == 0).all()),
-            needs_truncation=bool(truncating.any()))
-        if any(c.track_tokens for c in chunks):
-            tensors.seen, tensors.output_counts = self.token_counts.history(
-                [c.seq_id for c in chunks])
-        return tensors
-
-    def _bias_tensors(self, rows) -> dict:
-        """logit_bias as (row, token, value) index tensors; none when no row has a bias."""
-        if not any(r.params.logit_bias for r in rows):
-            return {}
-        entries = [(i, token, value) for i, r in enumerate(rows)
-                   for token, value in r.params.logit_bias.items()]
-        row_ids, tokens, values = zip(*entries)
-        return {"bias_rows": torch.tensor(row_ids, dtype=torch.int64, device=self.device),
-                "bias_tokens": torch.tensor(tokens, dtype=torch.int64, device=self.device),
-                "bias_values": torch.tensor(values, dtype=torch.float32, device=self.device)}
-
 
 def load_runner(model_dir: str, rank: int, world_size: int, init_method: str,
                 **settings) -> ModelRunner:
@@ -298,7 +263,3 @@ def _attention_specs(layers: list[PagedAttention]) -> list[AttentionSpec]:
     if len({dataclasses.replace(spec, sliding_window=None) for spec in specs}) > 1:
         raise ValueError(f"attention layers differ in kv heads or position bias: {specs}")
     return specs
-
-
-_FLOAT_PARAMS = ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty")

@@ -1,6 +1,7 @@
 """Batched sampling with per-row parameters: one pass over [rows, vocab], no per-row Python.
 
-Order: logit_bias, then penalties, on the raw logits, then temperature, then the truncations
+Order: the watermark (TGI's: first), logit_bias, then penalties, on the raw logits, then
+temperature, then the truncations
 (top-k, top-p, min-p, typical), then a draw. Random draws come from a counter-based hash of
 (seed, output index, token id), so a request's samples depend only on its own seed and inputs,
 never on the batch or device.
@@ -65,6 +66,11 @@ class SamplingTensors:
     bias_rows: torch.Tensor | None = None
     bias_tokens: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
+    # Watermarked rows [W] and their green lists [W, V] bool (tritonlm/watermark.py), None when
+    # no row asks; delta is added on the green lists.
+    watermark_rows: torch.Tensor | None = None
+    green_lists: torch.Tensor | None = None
+    watermark_delta: float = 0.0
 
 
 @dataclass
@@ -79,11 +85,13 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """logits [S, V] -> chosen tokens with their logprobs and the top-N alternatives."""
     kernels = cpu_kernels.for_tensor(logits)
     if (kernels is not None and t.all_greedy and t.seen is None and not t.banned_rows.numel()
-            and t.bias_rows is None and logits.stride(-1) == 1):
+            and t.bias_rows is None and t.watermark_rows is None and logits.stride(-1) == 1):
         tokens, normalizer = kernels.argmax_logsumexp(logits)  # one pass, no float32 copy
         return _with_logprobs(logits, tokens, normalizer[:, None], t.num_logprobs)
     raw = logits.float()
     logits = raw
+    if t.watermark_rows is not None:
+        logits = logits.index_add(0, t.watermark_rows, t.green_lists * t.watermark_delta)
     if t.bias_rows is not None:
         logits = logits.index_put((t.bias_rows, t.bias_tokens), t.bias_values, accumulate=True)
     if t.seen is not None:

@@ -1,0 +1,69 @@
+"""A step's per-row sampling parameters as the sampler's tensors (layers/sampler.py)."""
+import torch
+
+from tritonlm.layers.sampler import SamplingTensors
+from tritonlm.layers.token_counts import TokenCounts
+from tritonlm.watermark import GreenLists
+
+_FLOAT_PARAMS = ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty")
+
+
+class SamplingInputs:
+    def __init__(self, token_counts: TokenCounts, watermark_gamma: float,
+                 watermark_delta: float, device: torch.device):
+        self.token_counts = token_counts
+        self.watermark_gamma, self.watermark_delta = watermark_gamma, watermark_delta
+        self.device = device
+        self.green_lists: GreenLists | None = None  # made on the first watermarked request
+
+    def build(self, chunks, vocab_size: int) -> SamplingTensors:
+        """The tensors of the sampling `chunks` (one row each) over logits of `vocab_size`."""
+        rows = [c.sampling for c in chunks]
+        values = {name: torch.tensor([getattr(r.params, name) for r in rows], dtype=torch.float32)
+                  for name in _FLOAT_PARAMS}
+        top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.int64)
+        truncating = ((top_k > 0) | (values["top_p"] < 1) | (values["min_p"] > 0)
+                      | (values["typical_p"] < 1))
+        tensors = SamplingTensors(
+            **{name: value.to(self.device) for name, value in values.items()},
+            top_k=top_k.to(self.device),
+            seeds=torch.tensor([r.seed for r in rows], dtype=torch.int64, device=self.device),
+            steps=torch.tensor([r.output_index for r in rows], dtype=torch.int64,
+                               device=self.device),
+            num_logprobs=max(r.params.logprobs or 0 for r in rows),
+            banned_rows=torch.tensor([i for i, r in enumerate(rows) for _ in r.banned],
+                                     dtype=torch.int64, device=self.device),
+            banned_tokens=torch.tensor([t for r in rows for t in r.banned], dtype=torch.int64,
+                                       device=self.device),
+            **self._bias_tensors(rows),
+            all_greedy=bool((values["temperature"] == 0).all()),
+            needs_truncation=bool(truncating.any()))
+        if any(c.track_tokens for c in chunks):
+            tensors.seen, tensors.output_counts = self.token_counts.history(
+                [c.seq_id for c in chunks])
+        self._add_watermark(tensors, chunks, vocab_size)
+        return tensors
+
+    def _add_watermark(self, tensors: SamplingTensors, chunks, vocab_size: int) -> None:
+        """The green lists of the rows that ask for the watermark, each seeded by the token
+        before the one sampled: the chunk's last (a prompt's last token, or the decode input)."""
+        rows = [i for i, c in enumerate(chunks) if c.sampling.params.watermark]
+        if not rows:
+            return
+        if self.green_lists is None:
+            self.green_lists = GreenLists(vocab_size, self.watermark_gamma, self.device)
+        tensors.watermark_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        tensors.green_lists = self.green_lists.masks_for([chunks[i].token_ids[-1] for i in rows])
+        tensors.watermark_delta = self.watermark_delta
+
+    def _bias_tensors(self, rows) -> dict:
+        """logit_bias as (row, token, value) index tensors; none when no row has a bias."""
+        if not any(r.params.logit_bias for r in rows):
+            return {}
+        entries = [(i, token, value) for i, r in enumerate(rows)
+                   for token, value in r.params.logit_bias.items()]
+        row_ids, tokens, values = zip(*entries)
+        return {"bias_rows": torch.tensor(row_ids, dtype=torch.int64, device=self.device),
+                "bias_tokens": torch.tensor(tokens, dtype=torch.int64, device=self.device),
+                "bias_values": torch.tensor(values, dtype=torch.float32, device=self.device)}
