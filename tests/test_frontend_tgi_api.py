@@ -54,7 +54,8 @@ BAD_BODIES = [
     (params(truncate=0), ["`truncate`"]),
     (params(truncate=SERVED_MAX_MODEL_LEN), ["`truncate`"]),
     (params(do_sample="yes"), ["parameters.do_sample"]),
-    (params(grammar={"type": "regex", "value": "[a-z]+"}), ["`grammar`", "not supported yet"]),
+    (params(grammar={"type": "xml", "value": "<a/>"}), ["`grammar.type`", "json"]),
+    (params(grammar="[a-z]+"), ["`grammar`", "type"]),
     (params(adapter_id="my-lora"), ["`adapter_id`", "not supported yet"]),
 ]
 
@@ -95,7 +96,7 @@ def test_clients_raise_validation_errors_and_the_server_keeps_serving(smollm2_se
         list(tgi.generate_stream(LONG_PROMPT, max_new_tokens=2))
     hf = InferenceClient(base_url=smollm2_server.frontend_url, timeout=TIMEOUT)
     with pytest.raises(HubValidationError, match="not supported yet"):
-        hf.text_generation(PROMPT, max_new_tokens=2, grammar={"type": "regex", "value": "[a-z]+"})
+        hf.text_generation(PROMPT, max_new_tokens=2, adapter_id="my-lora")
     with pytest.raises(HubValidationError, match="inputs"):
         list(hf.text_generation(LONG_PROMPT, max_new_tokens=2, stream=True))
 

@@ -33,7 +33,10 @@ BAD_SAMPLING = [
     ({"n": 2, "best_of": 1}, "best_of"),
     ({"n": 2, "temperature": 0}, "temperature"),
     ({"stream_interval": 0}, "stream_interval"),
-    ({"guided_json": {}}, "guided_json"),
+    ({"guided_regex": "(unclosed"}, "regex constraint does not compile"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}},
+     "json constraint does not compile"),
+    ({"guided_choice": []}, "guided_choice"),
 ]
 
 

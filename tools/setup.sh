@@ -29,7 +29,7 @@ fi
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 # torch first, pinned to the CPU wheel: later installs then never pull a CUDA build.
 "${PIP[@]}" torch==2.13.0
-"${PIP[@]}" -e '.[test,frontend]'
+"${PIP[@]}" -e '.[test,frontend,structured]'
 # TGI's own Python client (front-end tests); it pins huggingface_hub < 1, which transformers
 # outgrew, and needs only what is installed already.
 "${PIP[@]}" --no-deps text-generation==0.7.0

@@ -3,9 +3,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from tritonlm.errors import InvalidRequestError
-
-# Keys of the contract that later issues implement; naming them gives a precise error.
-_NOT_YET_SUPPORTED = frozenset({"guided_json", "guided_regex"})
+from tritonlm.output_constraints import OutputConstraint, constraint_from
 MAX_SEQUENCES = 16
 MAX_LOGPROBS = 20
 
@@ -37,6 +35,13 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
     watermark: bool = False  # TGI's (tritonlm/watermark.py)
+    # Structured output (vLLM's keys; output_constraints.py): one of them, as `constraint`
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    constraint: OutputConstraint | None = field(default=None, init=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -47,8 +52,12 @@ class SamplingParams:
         if self.logit_bias is None:
             self.logit_bias = {}
         for f in fields(self):
-            _check_type(f.name, getattr(self, f.name))
+            if f.init:
+                _check_type(f.name, getattr(self, f.name))
         self.logit_bias = _token_biases(self.logit_bias)
+        self.constraint = constraint_from(self.structured_outputs, {
+            key: getattr(self, key) for key in ("guided_json", "guided_regex", "guided_choice",
+                                                "guided_grammar")})
         if self.max_tokens is not None and self.max_tokens < 1:
             _bad("max_tokens", self.max_tokens, "must be >= 1")
         if self.min_tokens < 0:
@@ -101,10 +110,8 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, values: dict) -> "SamplingParams":
         """Build from a JSON-like dict; unknown keys and bad values raise InvalidRequestError."""
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.init}
         for key in values:
-            if key in _NOT_YET_SUPPORTED:
-                raise InvalidRequestError(f"sampling parameter {key!r} is not supported yet")
             if key not in known:
                 raise InvalidRequestError(
                     f"unknown sampling parameter {key!r}; known: {', '.join(sorted(known))}")
@@ -122,6 +129,9 @@ _FIELD_TYPES = {
     "seed": (int, type(None)), "stop": list,
     "stop_token_ids": list, "bad_words": list, "include_stop_str_in_output": bool, "ignore_eos": bool,
     "skip_special_tokens": bool, "watermark": bool,
+    "structured_outputs": (dict, type(None)), "guided_json": (dict, str, type(None)),
+    "guided_regex": (str, type(None)), "guided_choice": (list, type(None)),
+    "guided_grammar": (str, type(None)),
 }
 _ELEMENT_TYPES = {"stop": str, "bad_words": str, "stop_token_ids": int}
 

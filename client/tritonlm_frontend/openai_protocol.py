@@ -49,11 +49,18 @@ class _SamplingFields(_Lenient):
     include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     stream_interval: int | None = None  # tokens per streamed chunk (fewer events, less CPU)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: dict[str, Any] | None = None
 
     def sampling(self) -> dict[str, Any]:
         """The engine's sampling keys for the fields this request set."""
         values = {key: getattr(self, key) for key in _PASSED_THROUGH
                   if getattr(self, key) is not None}
+        values.update(self._response_format())
         if isinstance(self.stop, str):
             values["stop"] = [self.stop]
         if self.top_k == -1:  # vLLM's spelling of "off"
@@ -61,6 +68,22 @@ class _SamplingFields(_Lenient):
         if self.n != 1:
             values["n"] = self.n
         return values
+
+    def _response_format(self) -> dict[str, Any]:
+        """OpenAI's response_format as the engine's structured_outputs."""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "text":
+            return {}
+        if kind == "json_object":
+            return {"structured_outputs": {"json_object": True}}
+        if kind == "json_schema":
+            spec = self.response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise APIError(400, "response_format json_schema needs json_schema.schema, a "
+                               "JSON schema object", "response_format")
+            return {"structured_outputs": {"json": spec["schema"]}}
+        raise APIError(400, f"response_format type {kind!r} is not one of text, json_object, "
+                       "json_schema", "response_format")
 
     @property
     def include_usage(self) -> bool:
@@ -75,7 +98,9 @@ class _SamplingFields(_Lenient):
 _PASSED_THROUGH = ("max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
                    "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty",
                    "min_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-                   "include_stop_str_in_output", "truncate_prompt_tokens", "stream_interval")
+                   "include_stop_str_in_output", "truncate_prompt_tokens", "stream_interval",
+                   "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                   "guided_grammar")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -83,7 +108,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -100,13 +124,9 @@ class ChatCompletionRequest(_SamplingFields):
         return values
 
     def check_supported(self) -> None:
-        """Structured output is a later issue: say so rather than ignore the request's wish."""
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise APIError(400, f"response_format {self.response_format.get('type')!r} is not "
-                           "supported yet (structured output)", "response_format")
+        """Tool calling is not built yet: say so rather than ignore the request's wish."""
         if self.tools:
-            raise APIError(400, "tools are not supported yet (tool calling needs structured "
-                           "output)", "tools")
+            raise APIError(400, "tools are not supported yet", "tools")
         if self.tool_choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice is not supported yet", "tool_choice")
 

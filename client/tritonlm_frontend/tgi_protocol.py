@@ -66,9 +66,6 @@ class GenerateParameters(_Lenient):
 
     def check(self, stream: bool) -> None:
         """TGI's router validation (messages as TGI words them)."""
-        if self.grammar is not None:
-            raise invalid("`grammar` is not supported yet (structured output)",
-                          "parameters.grammar")
         if self.adapter_id is not None:
             raise invalid("`adapter_id` is not supported yet (LoRA adapters)",
                           "parameters.adapter_id")
@@ -162,7 +159,27 @@ class GenerateParameters(_Lenient):
             values["logprobs"] = self.top_n_tokens or 0
         if self.decoder_input_details:
             values["prompt_logprobs"] = 0
+        if self.grammar is not None:
+            values["structured_outputs"] = self._structured_outputs()
         return values
+
+    def _structured_outputs(self) -> dict[str, Any]:
+        """TGI's grammar ({"type": json | json_schema | json_object | regex, "value"}) as the
+        engine's structured_outputs."""
+        grammar = self.grammar
+        if not isinstance(grammar, dict) or "type" not in grammar:
+            raise invalid("`grammar` must be {\"type\": ..., \"value\": ...}", "parameters.grammar")
+        kind, value = grammar["type"], grammar.get("value")
+        if kind == "regex":
+            return {"regex": value}
+        if kind == "json":
+            return {"json": value}
+        if kind == "json_schema":  # {"name": ..., "schema": {...}}, OpenAI's wrapping
+            return {"json": value.get("schema") if isinstance(value, dict) else value}
+        if kind == "json_object":
+            return {"json": value} if value else {"json_object": True}
+        raise invalid(f"`grammar.type` must be json, json_schema, json_object or regex. "
+                      f"Given: {kind}", "parameters.grammar")
 
 
 class GenerateBody(_Lenient):

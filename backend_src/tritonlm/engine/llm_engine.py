@@ -23,6 +23,7 @@ from tritonlm.engine.sequence import FinishReason, Sequence
 from tritonlm.engine.stats import (EngineObserver, FinishedRequest, RateLimitedWarning,
                                    RequestTimeline, StepStats)
 from tritonlm.engine.step_plan import SampledToken
+from tritonlm.engine.structured_output import GrammarMatchers, Grammars
 from tritonlm.errors import InvalidRequestError
 from tritonlm.models.loader import load_config
 from tritonlm.models.registry import context_limit, kv_depends_only_on_prefix
@@ -88,7 +89,10 @@ class LLMEngine:
         self.vocab_size = self.hf_config.vocab_size
         self.request_builder = RequestBuilder(
             self.tokenizer, self.vocab_size, self.max_model_len, self.block_manager,
-            encoder_decoder=self._decoder_start is not None)
+            self._decoder_start is not None,
+            Grammars(self.tokenizer, self.vocab_size, self.scheduler.eos_token_ids))
+        self.matchers = GrammarMatchers(self.vocab_size)
+        self.runner.sampling_inputs.matchers = self.matchers
         self._seq_ids = itertools.count()
         self._requests: dict[str, RequestState] = {}
         self._seq_requests: dict[int, RequestState] = {}
@@ -138,6 +142,8 @@ class LLMEngine:
                              if request.stream else None)
         self._requests[request.request_id] = state
         self._seq_requests[seq.seq_id] = state
+        if request.grammar is not None:
+            self.matchers.add(seq.seq_id, request.grammar)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -190,6 +196,8 @@ class LLMEngine:
             stop = state.on_new_token(seq)
             if stop is not None:
                 self.scheduler.finish(seq, FinishReason.STOP, stop)
+            if not self.matchers.accept(seq.seq_id, seq.token_ids[-1]):
+                self.scheduler.finish(seq, FinishReason.STOP)  # the grammar is complete
             if state.needs_fork and seq.num_output_tokens == 1:
                 self._fork(state, seq)
         outputs = []
@@ -233,12 +241,14 @@ class LLMEngine:
                              first.encoder_token_ids)
             state.add_sequence(child)
             self._seq_requests[child.seq_id] = state
+            self.matchers.fork(first.seq_id, child.seq_id)
             self.scheduler.fork(first, child)
 
     def _finished(self, state: RequestState) -> None:
         del self._requests[state.request_id]
         for seq in state.seqs:
             del self._seq_requests[seq.seq_id]
+        self.matchers.release(seq.seq_id for seq in state.seqs)
         timeline = state.timeline
         timeline.finished = time.time()
         finished = FinishedRequest(state.request_id, timeline, state.num_prompt_tokens,

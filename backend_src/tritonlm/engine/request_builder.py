@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import jinja2
 
 from tritonlm.engine.block_manager import BlockManager
+from tritonlm.engine.structured_output import Grammars
 from tritonlm.errors import InvalidRequestError
 from tritonlm.sampling_params import SamplingParams
 
@@ -21,14 +22,16 @@ class Request:
     arrival: float = field(default_factory=time.time)
     trace_parent: str | None = None  # W3C traceparent to continue
     stream: bool = True  # False: one output, when the request ends (vLLM's FINAL_ONLY)
+    grammar: object = None  # the compiled params.constraint (engine/structured_output.py)
 
 
 class RequestBuilder:
     """Safe to use from any thread: it only reads the tokenizer and the engine's limits."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
-                 block_manager: BlockManager, encoder_decoder: bool):
+                 block_manager: BlockManager, encoder_decoder: bool, grammars: Grammars):
         self.tokenizer = tokenizer
+        self.grammars = grammars
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.blocks = block_manager
@@ -73,7 +76,9 @@ class RequestBuilder:
                   else blocks_for(len(token_ids) + 1))
         if needed > self.blocks.num_blocks:
             raise InvalidRequestError(f"prompt of {len(token_ids)} tokens does not fit the KV cache")
-        return Request(request_id, token_ids, params, text, self._bad_words_ids(params.bad_words))
+        grammar = self.grammars.compile(params.constraint) if params.constraint else None
+        return Request(request_id, token_ids, params, text, self._bad_words_ids(params.bad_words),
+                       grammar=grammar)
 
     def _check_vocabulary(self, name: str, token_ids: list[int]) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]

@@ -1,6 +1,7 @@
 """A step's per-row sampling parameters as the sampler's tensors (layers/sampler.py)."""
 import torch
 
+from tritonlm.engine.structured_output import GrammarMatchers
 from tritonlm.layers.sampler import SamplingTensors
 from tritonlm.layers.token_counts import TokenCounts
 from tritonlm.watermark import GreenLists
@@ -16,6 +17,7 @@ class SamplingInputs:
         self.watermark_gamma, self.watermark_delta = watermark_gamma, watermark_delta
         self.device = device
         self.green_lists: GreenLists | None = None  # made on the first watermarked request
+        self.matchers: GrammarMatchers | None = None  # the engine's (the driver's runner only)
 
     def build(self, chunks, vocab_size: int) -> SamplingTensors:
         """The tensors of the sampling `chunks` (one row each) over logits of `vocab_size`."""
@@ -43,7 +45,17 @@ class SamplingInputs:
             tensors.seen, tensors.output_counts = self.token_counts.history(
                 [c.seq_id for c in chunks])
         self._add_watermark(tensors, chunks, vocab_size)
+        self._add_token_bitmask(tensors, chunks)
         return tensors
+
+    def _add_token_bitmask(self, tensors: SamplingTensors, chunks) -> None:
+        """The grammar masks of the constrained rows, filled in one batched call."""
+        rows = [i for i, c in enumerate(chunks) if c.sampling.params.constraint is not None]
+        if not rows:
+            return
+        tensors.bitmask_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        bitmask = self.matchers.token_bitmask([chunks[i].seq_id for i in rows])
+        tensors.token_bitmask = bitmask.to(self.device)
 
     def _add_watermark(self, tensors: SamplingTensors, chunks, vocab_size: int) -> None:
         """The green lists of the rows that ask for the watermark, each seeded by the token

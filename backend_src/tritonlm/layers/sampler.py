@@ -1,7 +1,7 @@
 """Batched sampling with per-row parameters: one pass over [rows, vocab], no per-row Python.
 
-Order: the watermark (TGI's: first), logit_bias, then penalties, on the raw logits, then
-temperature, then the truncations
+Order: the watermark (TGI's: first), logit_bias, then penalties, on the raw logits, then the
+grammar masks (structured output), then temperature, then the truncations
 (top-k, top-p, min-p, typical), then a draw. Random draws come from a counter-based hash of
 (seed, output index, token id), so a request's samples depend only on its own seed and inputs,
 never on the batch or device.
@@ -71,6 +71,10 @@ class SamplingTensors:
     watermark_rows: torch.Tensor | None = None
     green_lists: torch.Tensor | None = None
     watermark_delta: float = 0.0
+    # Constrained rows [C] and their grammar masks [C, ceil(V / 32)] int32 (bit t of a row:
+    # token t allowed), None when no row is constrained.
+    bitmask_rows: torch.Tensor | None = None
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -85,7 +89,8 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """logits [S, V] -> chosen tokens with their logprobs and the top-N alternatives."""
     kernels = cpu_kernels.for_tensor(logits)
     if (kernels is not None and t.all_greedy and t.seen is None and not t.banned_rows.numel()
-            and t.bias_rows is None and t.watermark_rows is None and logits.stride(-1) == 1):
+            and t.bias_rows is None and t.watermark_rows is None and t.bitmask_rows is None
+            and logits.stride(-1) == 1):
         tokens, normalizer = kernels.argmax_logsumexp(logits)  # one pass, no float32 copy
         return _with_logprobs(logits, tokens, normalizer[:, None], t.num_logprobs)
     raw = logits.float()
@@ -99,6 +104,10 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     if t.banned_rows.numel():
         logits = logits.index_put((t.banned_rows, t.banned_tokens),
                                   torch.tensor(float("-inf"), device=logits.device))
+    if t.bitmask_rows is not None:
+        allowed = unpack_bitmask(t.token_bitmask, logits.shape[-1])
+        logits = logits.index_copy(0, t.bitmask_rows, logits[t.bitmask_rows].masked_fill(
+            ~allowed, float("-inf")))
     tokens = logits.argmax(dim=-1)
     if not t.all_greedy:
         greedy = t.temperature == 0
@@ -111,6 +120,13 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         tokens = torch.where(greedy, tokens, (probs / exponential).argmax(dim=-1))
     return _with_logprobs(raw, tokens, torch.logsumexp(raw, dim=-1, keepdim=True),
                           t.num_logprobs)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Token bitmasks [C, ceil(V / 32)] int32 (bit t % 32 of word t // 32) as bools [C, V]."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, normalizer: torch.Tensor,
