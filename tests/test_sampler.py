@@ -1,7 +1,7 @@
 """The batched sampler: greedy, temperature, top-k, top-p and seeds, per row."""
 import torch
 
-from tritonlm.layers.sampler import SamplingTensors, sample
+from tritonlm.layers.sampler import SamplingTensors, sample, uniform_noise
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
 CHI2_DF7_P001 = 24.32  # chi-square critical value, 7 degrees of freedom, p = 0.001
@@ -89,3 +89,13 @@ def test_different_seeds_and_steps_give_different_draws():
     steps = torch.arange(64, dtype=torch.int64)
     by_step = sample(logits, tensors(64, seeds=torch.full((64,), 7), steps=steps)).tokens
     assert len(set(by_step.tolist())) > 50
+
+
+def test_noise_stays_below_one_so_zero_probability_tokens_never_win():
+    # Over 2**24 token ids seed 0 reaches the largest draw; rounded to 1.0 its exponential race
+    # entry is 0 and a zero-probability token's 0 / 0 (NaN) wins the argmax.
+    noise = uniform_noise(torch.tensor([0]), torch.tensor([0]), 1 << 24)
+    assert noise.max().item() < 1 and noise.min().item() > 0
+    probs = torch.zeros(1, 1 << 24)
+    probs[0, :2] = 0.5
+    assert (probs / -torch.log(noise)).argmax().item() in (0, 1)

@@ -12,6 +12,7 @@ from .generations import (GenerationResult, SequenceResult, clamped_logprob, col
                           first_and_rest, merged)
 from .http_utils import read_body, request_id, sse_event, sse_response, unless_disconnected
 from .openai_protocol import ChatCompletionRequest, CompletionRequest
+from .tool_calls import ToolCalling
 from .triton_gateway import GenerateRequest, SequenceDelta
 
 router = APIRouter()
@@ -67,13 +68,22 @@ async def list_models(request: Request):
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     body = await read_body(request, ChatCompletionRequest)
-    body.check_supported()
     body.check_stream_options()
     model = await request.app.state.catalog.get(body.model)
+    tools = ToolCalling.from_request(body.tools, body.tool_choice, model.chat_template)
+    sampling, template_kwargs = body.sampling(), body.chat_template_kwargs
+    if tools is not None:
+        template_kwargs = {**(template_kwargs or {}), "tools": tools.tools}
+        constraint = tools.structured_outputs()
+        if constraint is not None:
+            if "structured_outputs" in sampling or any(k.startswith("guided_") for k in sampling):
+                raise APIError(400, "tool_choice and response_format (or guided_*) both "
+                               "constrain the reply: give one", "tool_choice")
+            sampling["structured_outputs"] = constraint
     generate = GenerateRequest(model.name, messages=body.engine_messages(),
                                add_generation_prompt=body.add_generation_prompt,
-                               chat_template_kwargs=body.chat_template_kwargs,
-                               sampling=body.sampling(), stream=body.stream,
+                               chat_template_kwargs=template_kwargs,
+                               sampling=sampling, stream=body.stream,
                                logprobs=body.logprobs, request_id=request_id(request))
     gateway = request.app.state.gateway
     response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -82,20 +92,37 @@ async def chat_completions(request: Request):
     if body.stream:
         chunks = await unless_disconnected(request, lambda: first_and_rest(
             merged(gateway, [generate])))
-        return sse_response(_chat_events(chunks, head, body))
+        return sse_response(_chat_events(chunks, head, body, tools))
     result, = await unless_disconnected(request, lambda: collect(gateway, [generate]))
-    choices = [{"index": i, "message": {"role": "assistant", "content": s.text},
+    choices = [{"index": i, "message": _message(s.text, s.finish_reason, tools),
                 "logprobs": chat_logprobs(s.logprobs) if body.logprobs else None,
-                "finish_reason": s.finish_reason, "stop_reason": s.stop_reason}
+                "finish_reason": _finish_reason(s.text, s.finish_reason, tools),
+                "stop_reason": s.stop_reason}
                for i, s in enumerate(result.sequences)]
     return JSONResponse({**head, "object": "chat.completion", "choices": choices,
                          "usage": _usage(result.num_input_tokens, result.num_output_tokens)})
 
 
-async def _chat_events(chunks, head: dict, body: ChatCompletionRequest):
+def _message(text: str, finish_reason: str | None, tools: ToolCalling | None) -> dict:
+    calls = tools.calls(text) if tools is not None and finish_reason == "stop" else None
+    if calls is None:
+        return {"role": "assistant", "content": text}
+    tool_calls, rest = calls
+    return {"role": "assistant", "content": rest, "tool_calls": tool_calls}
+
+
+def _finish_reason(text: str, finish_reason: str | None, tools: ToolCalling | None):
+    if tools is not None and finish_reason == "stop" and tools.calls(text) is not None:
+        return "tool_calls"
+    return finish_reason
+
+
+async def _chat_events(chunks, head: dict, body: ChatCompletionRequest,
+                       tools: ToolCalling | None):
     head = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if body.include_usage else {}
     started, prompt_tokens, completion_tokens = set(), 0, 0
+    held: dict[int, str] = {}  # tool calling: a choice's text, read as calls when it ends
     try:
         async for _, chunk in chunks:
             prompt_tokens = chunk.num_input_tokens or prompt_tokens
@@ -106,7 +133,12 @@ async def _chat_events(chunks, head: dict, body: ChatCompletionRequest):
                     yield sse_event({**head, **extra, "choices": [{
                         "index": seq.index, "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None}]})
-                if seq.text or seq.finish_reason or seq.token_ids:
+                if tools is not None:
+                    held[seq.index] = held.get(seq.index, "") + seq.text
+                    if seq.finish_reason:
+                        yield sse_event({**head, **extra, "choices": [_tool_call_delta(
+                            seq, held[seq.index], body, tools)]})
+                elif seq.text or seq.finish_reason or seq.token_ids:
                     yield sse_event({**head, **extra, "choices": [_chat_choice_delta(seq, body)]})
         if body.include_usage:
             yield sse_event({**head, "choices": [], "usage": _usage(prompt_tokens,
@@ -115,6 +147,19 @@ async def _chat_events(chunks, head: dict, body: ChatCompletionRequest):
         yield sse_event({"error": {"message": error.message, "type": error.kind,
                                    "param": error.param, "code": error.status}})
     yield sse_event("[DONE]")
+
+
+def _tool_call_delta(seq: SequenceDelta, text: str, body: ChatCompletionRequest,
+                     tools: ToolCalling) -> dict:
+    """A tool-calling choice's reply, in one delta when it ends: its calls (with their index),
+    or its text where it made none."""
+    message = _message(text, seq.finish_reason, tools)
+    delta = {"content": message["content"]} if message["content"] else {}
+    if "tool_calls" in message:
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+    return {"index": seq.index, "delta": delta, "logprobs": None,
+            "finish_reason": _finish_reason(text, seq.finish_reason, tools),
+            "stop_reason": seq.stop_reason}
 
 
 def _chat_choice_delta(seq: SequenceDelta, body: ChatCompletionRequest) -> dict:

@@ -123,13 +123,6 @@ class ChatCompletionRequest(_SamplingFields):
             values["logprobs"] = self.top_logprobs or 0
         return values
 
-    def check_supported(self) -> None:
-        """Tool calling is not built yet: say so rather than ignore the request's wish."""
-        if self.tools:
-            raise APIError(400, "tools are not supported yet", "tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice is not supported yet", "tool_choice")
-
     def engine_messages(self) -> list[dict[str, str]]:
         """The messages with text-part lists joined, as the chat template takes them."""
         messages = []

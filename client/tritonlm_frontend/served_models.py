@@ -33,6 +33,7 @@ class ServedModel:
     tokenizer: Tokenizer | None = None
     special_token_ids: frozenset[int] = frozenset()
     device_type: str = "cpu"
+    chat_template: str | None = None  # what tool_choice "auto" reads the call format from
 
     @classmethod
     def from_config(cls, name: str, config: dict) -> "ServedModel":
@@ -78,11 +79,22 @@ def _read_files(model: ServedModel, repository: Path) -> None:
         if isinstance(max_model_len, int):
             model.parameters["max_model_len"] = str(max_model_len)
     weights = version / WEIGHTS_DIR
+    model.chat_template = _chat_template(weights)
     if (weights / "tokenizer.json").is_file():
         model.tokenizer = Tokenizer.from_file(str(weights / "tokenizer.json"))
         model.special_token_ids = frozenset(
             token_id for token_id, token in model.tokenizer.get_added_tokens_decoder().items()
             if token.special)
+
+
+def _chat_template(weights: Path) -> str | None:
+    if (weights / "chat_template.jinja").is_file():
+        return (weights / "chat_template.jinja").read_text()
+    config = weights / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    if isinstance(template, list):  # named templates: the default one, or all of them
+        template = "\n".join(t.get("template", "") for t in template)
+    return template
 
 
 class ModelCatalog:

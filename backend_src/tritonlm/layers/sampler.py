@@ -33,13 +33,15 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, vocab] uniforms in (0, 1) from splitmix64 of (seed, step, token id)."""
+    """[rows, vocab] uniforms in (0, 1) from splitmix64 of (seed, step, token id): 23 bits, so
+    the largest, 1 - 2**-24, is still below 1 in float32 (24 bits rounded it to 1.0, whose
+    exponential draw, 0, made a token of zero probability win the race as 0 / 0)."""
     token = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     x = seeds[:, None] * _GOLDEN + steps[:, None] * _STEP + token[None, :]
     x = (x ^ _shift_right(x, 30)) * _MIX1
     x = (x ^ _shift_right(x, 27)) * _MIX2
     x = x ^ _shift_right(x, 31)
-    return (_shift_right(x, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return (_shift_right(x, 41).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass
