@@ -177,3 +177,22 @@ def test_served_through_triton_tgi_and_openai(smollm2_server, grpc):
     with pytest.raises(openai.BadRequestError, match="json_schema"):
         client.chat.completions.create(model="llm", messages=messages, max_tokens=8,
                                        response_format={"type": "json_schema"})
+
+
+def test_preempted_constrained_sequences_keep_their_matchers(smollm2_repo):
+    """A cache of 14 blocks for 6 sequences: they preempt one another (recomputed) and still
+    give valid JSON."""
+    llm = LLM(str(smollm2_repo), dtype="auto", num_kv_blocks=14, block_size=16, max_num_seqs=6)
+    prompt = chat(llm, "A user record as JSON.")
+    outputs = llm.generate([prompt] * 6, [SamplingParams(temperature=0.9, seed=s, max_tokens=160,
+                                                         guided_json=PERSON) for s in range(6)])
+    assert llm.engine.scheduler.num_preemptions > 0
+    for out in outputs:
+        jsonschema.validate(json.loads(out.text), PERSON)
+
+
+def test_stop_strings_cut_constrained_output(llm):
+    out, = llm.generate([chat(llm, "A user record as JSON.")], SamplingParams(
+        temperature=0, max_tokens=160, guided_json=PERSON, stop=['"age"']))
+    assert out.finish_reason == "stop" and out.stop_reason == '"age"'
+    assert out.text.startswith('{"name": "') and '"age"' not in out.text

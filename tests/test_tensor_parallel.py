@@ -1,6 +1,7 @@
 """Tensor parallelism: a checkpoint converted with --tp 2 and served by two ranks (real processes
 over gloo) gives the same greedy tokens as one rank and as transformers; each rank's file holds
 exactly its slice of the weights."""
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,3 +157,18 @@ def test_heads_that_do_not_split_over_the_ranks_are_a_conversion_error(tmp_path,
     save_tiny(tmp_path / "hf", LlamaForCausalLM, config, smollm2_tokenizer)
     with pytest.raises(ConversionError, match="3 heads"):
         convert(str(tmp_path / "hf"), tmp_path / "repo", dtype="float32", tp=2)
+
+
+def test_constrained_sampling_runs_on_rank_zero_alone(converted):
+    """Structured output with two ranks: the driver holds the matchers and masks; the output
+    full-matches the regex and equals one rank's (same seeds)."""
+    model = converted("llama-gqa-4-heads-2-kv")
+    pattern = r"[a-z]{2,6}( [a-z]{2,6}){2}"
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=30, guided_regex=pattern)
+              for s in range(3)]
+    texts = {}
+    for tp in (1, 2):
+        with LLM(str(model.repos[tp]), block_size=8) as llm:
+            texts[tp] = [o.text for o in llm.generate(["Say three words:"] * 3, params)]
+    assert all(re.fullmatch(pattern, t) for t in texts[2])
+    assert texts[2] == texts[1]
