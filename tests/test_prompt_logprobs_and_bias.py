@@ -8,6 +8,7 @@ from conftest import hf_greedy
 from tritonlm import LLM, SamplingParams
 from tritonlm.engine.block_manager import BlockManager
 from tritonlm.engine.request_builder import RequestBuilder
+from tritonlm.engine.structured_output import Grammars
 from tritonlm.errors import InvalidRequestError
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Meanwhile, in a small village by the sea, "
@@ -34,6 +35,10 @@ def reference(smollm2_hf, prompt):
 def chunked_llm(smollm2_repo):
     """Prompts split into 16-token chunks; prefix caching on (the default)."""
     return LLM(str(smollm2_repo), max_num_batched_tokens=16, num_kv_blocks=64)
+
+
+def grammar_compiler(tokenizer) -> Grammars:
+    return Grammars(tokenizer, len(tokenizer), frozenset())
 
 
 def assert_prompt_logprobs(entries, prompt, reference, top=TOP):
@@ -96,7 +101,7 @@ def test_prompt_logprobs_come_once_for_several_sequences(smollm2_llm, prompt, re
 
 def test_prompt_logprobs_rejected_for_encoder_decoder_models(smollm2_tokenizer):
     builder = RequestBuilder(smollm2_tokenizer, len(smollm2_tokenizer), 64,
-                             BlockManager(16, 16), encoder_decoder=True)
+                             BlockManager(16, 16), True, grammar_compiler(smollm2_tokenizer))
     with pytest.raises(InvalidRequestError, match="prompt_logprobs.*encoder-decoder"):
         builder.build("t5", "translate this", SamplingParams(prompt_logprobs=1))
 
@@ -174,7 +179,7 @@ def test_truncate_prompt_tokens_equals_sending_the_last_tokens(smollm2_llm, prom
 
 def test_truncation_comes_before_the_length_check(smollm2_tokenizer, prompt):
     builder = RequestBuilder(smollm2_tokenizer, len(smollm2_tokenizer), 16,
-                             BlockManager(16, 16), encoder_decoder=False)
+                             BlockManager(16, 16), False, grammar_compiler(smollm2_tokenizer))
     with pytest.raises(InvalidRequestError, match="max_model_len"):
         builder.build("long", prompt)
     request = builder.build("long", TEXT, SamplingParams(truncate_prompt_tokens=15))

@@ -37,7 +37,7 @@ def assert_valid_calls(calls, names=SCHEMAS):
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-@pytest.mark.parametrize("seed,temperature", [(0, 0.0), (1, 0.8), (2, 1.0)])
+@pytest.mark.parametrize("seed,temperature", [(0, 0.0), (2, 1.0)])
 def test_required_tool_choice_gives_valid_calls(client, seed, temperature):
     reply = client.chat.completions.create(model="llm", messages=MESSAGES, tools=TOOLS,
                                            tool_choice="required", max_tokens=120, seed=seed,
