@@ -41,8 +41,7 @@ class GreenLists:
     def masks_for(self, previous_tokens: list[int]) -> torch.Tensor:
         """[len(previous_tokens), V] bool: each row's green list."""
         tokens = np.asarray(previous_tokens, dtype=np.int64)
-        slots = self.slot_of[np.clip(tokens, 0, self.vocab_size - 1)]
-        slots[(tokens < 0) | (tokens >= self.vocab_size)] = -1
+        slots = self.slot_of[tokens]
         out = self.masks[torch.from_numpy(np.maximum(slots, 0)).to(self.masks.device)]
         for token in np.unique(tokens[slots < 0]):
             mask = self._store(int(token))
@@ -52,13 +51,12 @@ class GreenLists:
     def _store(self, token: int) -> torch.Tensor:
         mask = torch.zeros(self.vocab_size, dtype=torch.bool)
         mask[green_list(token, self.vocab_size, self.gamma)] = True
-        if 0 <= token < self.vocab_size:
-            slot = self.next_slot
-            self.next_slot = (slot + 1) % len(self.token_in)
-            if self.token_in[slot] >= 0:
-                self.slot_of[self.token_in[slot]] = -1
-            self.token_in[slot], self.slot_of[token] = token, slot
-            self.masks[slot] = mask
+        slot = self.next_slot
+        self.next_slot = (slot + 1) % len(self.token_in)
+        if self.token_in[slot] >= 0:
+            self.slot_of[self.token_in[slot]] = -1
+        self.token_in[slot], self.slot_of[token] = token, slot
+        self.masks[slot] = mask
         return mask.to(self.masks.device)
 
 

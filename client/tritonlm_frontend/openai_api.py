@@ -94,27 +94,22 @@ async def chat_completions(request: Request):
             merged(gateway, [generate])))
         return sse_response(_chat_events(chunks, head, body, tools))
     result, = await unless_disconnected(request, lambda: collect(gateway, [generate]))
-    choices = [{"index": i, "message": _message(s.text, s.finish_reason, tools),
+    choices = [{"index": i, **_reply(s.text, s.finish_reason, tools),
                 "logprobs": chat_logprobs(s.logprobs) if body.logprobs else None,
-                "finish_reason": _finish_reason(s.text, s.finish_reason, tools),
                 "stop_reason": s.stop_reason}
                for i, s in enumerate(result.sequences)]
     return JSONResponse({**head, "object": "chat.completion", "choices": choices,
                          "usage": _usage(result.num_input_tokens, result.num_output_tokens)})
 
 
-def _message(text: str, finish_reason: str | None, tools: ToolCalling | None) -> dict:
+def _reply(text: str, finish_reason: str | None, tools: ToolCalling | None) -> dict:
+    """A finished choice's message and finish_reason: its tool calls where it made any."""
     calls = tools.calls(text) if tools is not None and finish_reason == "stop" else None
     if calls is None:
-        return {"role": "assistant", "content": text}
+        return {"message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
     tool_calls, rest = calls
-    return {"role": "assistant", "content": rest, "tool_calls": tool_calls}
-
-
-def _finish_reason(text: str, finish_reason: str | None, tools: ToolCalling | None):
-    if tools is not None and finish_reason == "stop" and tools.calls(text) is not None:
-        return "tool_calls"
-    return finish_reason
+    return {"message": {"role": "assistant", "content": rest, "tool_calls": tool_calls},
+            "finish_reason": "tool_calls"}
 
 
 async def _chat_events(chunks, head: dict, body: ChatCompletionRequest,
@@ -153,13 +148,13 @@ def _tool_call_delta(seq: SequenceDelta, text: str, body: ChatCompletionRequest,
                      tools: ToolCalling) -> dict:
     """A tool-calling choice's reply, in one delta when it ends: its calls (with their index),
     or its text where it made none."""
-    message = _message(text, seq.finish_reason, tools)
+    reply = _reply(text, seq.finish_reason, tools)
+    message = reply["message"]
     delta = {"content": message["content"]} if message["content"] else {}
     if "tool_calls" in message:
         delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
     return {"index": seq.index, "delta": delta, "logprobs": None,
-            "finish_reason": _finish_reason(text, seq.finish_reason, tools),
-            "stop_reason": seq.stop_reason}
+            "finish_reason": reply["finish_reason"], "stop_reason": seq.stop_reason}
 
 
 def _chat_choice_delta(seq: SequenceDelta, body: ChatCompletionRequest) -> dict:
