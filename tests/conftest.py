@@ -1,16 +1,45 @@
 """Shared fixtures: the embedded SmolLM2 GGUF, tiny random-weight models, conversion."""
 import os
 
-# Triton's CPU interpreter runs our Triton kernel in test_triton_quant_matmul.py; it must be on
-# before anything (transformers, for one, at collection) imports triton.
-os.environ["TRITON_INTERPRET"] = "1"
+import torch  # noqa: E402
+
+# Without a GPU, Triton's CPU interpreter runs our Triton kernels (test_triton_quant_matmul.py,
+# test_decode_attention_kernels.py, test_cuda_decode_path.py) on CPU tensors; on a CUDA host they
+# run compiled on the GPU. It must be decided before anything (transformers, for one, at
+# collection) imports triton.
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import importlib.util  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+# The device our Triton kernels' tests run them on.
+TRITON_DEVICE = torch.device("cuda" if CUDA else "cpu")
+
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# On a GPU, tests run side by side (pytest -n): an engine that names no gpu_memory_utilization
+# takes this share of the GPU, not engine.json's 0.9.
+GPU_SHARE = 0.03
+
+
+@pytest.fixture(autouse=True, scope="session")
+def small_gpu_share():
+    if not CUDA:
+        yield
+        return
+    from tritonlm.config import EngineConfig
+    load = EngineConfig.load.__func__
+
+    def sharing(cls, model_dir, **overrides):
+        if overrides.get("gpu_memory_utilization") is None:
+            overrides["gpu_memory_utilization"] = GPU_SHARE
+        return load(cls, model_dir, **overrides)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EngineConfig, "load", classmethod(sharing))
+        yield
 
 
 def smollm2_gguf() -> Path:
@@ -19,8 +48,11 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    """transformers' own tokenizer for the GGUF (the reference, not our converter's)."""
+    """transformers' own tokenizer for the GGUF (the reference, not our converter's). A GPU
+    machine that cannot take the GGUF (tools/gpu_check.sh) names that tokenizer saved as files."""
     from transformers import AutoTokenizer
+    if os.environ.get("TRITONLM_TEST_TOKENIZER"):
+        return AutoTokenizer.from_pretrained(os.environ["TRITONLM_TEST_TOKENIZER"])
     path = smollm2_gguf()
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 

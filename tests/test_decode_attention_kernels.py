@@ -1,6 +1,6 @@
 """The paged decode-attention kernels, the C++ one (csrc/paged_decode_attention.cpp) and the
-OpenAI-Triton one for CUDA (layers/triton_paged_attention.py, run here by Triton's CPU
-interpreter), compute what plain PyTorch computes on the gathered blocks: GQA / MHA / MQA, several
+OpenAI-Triton one for CUDA (layers/triton_paged_attention.py: on the GPU where there is one, else
+by Triton's CPU interpreter), compute what plain PyTorch computes on the gathered blocks: GQA / MHA / MQA, several
 head dims and block sizes, shuffled blocks, ALiBi, sliding windows. (How PagedAttention routes a
 step's rows to them: test_cpu_kernels_prefill and test_cuda_decode_path.)"""
 from types import SimpleNamespace
@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import TRITON_DEVICE
 from tritonlm.layers import cpu_kernels, triton_paged_attention, triton_support
 
 
@@ -20,8 +21,12 @@ def cpu_kernel():
 def kernel(request):
     if request.param == "cpu":
         return request.getfixturevalue("cpu_kernel")
-    assert triton_support.available(torch.device("cpu"))  # TRITON_INTERPRET=1 (conftest)
-    return SimpleNamespace(decode_attention=triton_paged_attention.decode_attention)
+    assert triton_support.available(TRITON_DEVICE)  # no GPU: TRITON_INTERPRET=1 (conftest)
+
+    def on_triton_device(*args):
+        moved = (a.to(TRITON_DEVICE) if isinstance(a, torch.Tensor) else a for a in args)
+        return triton_paged_attention.decode_attention(*moved).cpu()
+    return SimpleNamespace(decode_attention=on_triton_device)
 
 
 def make_case(num_seqs, hq, hkv, head_dim, context_lens, dtype=torch.float32, block_size=16,

@@ -1,12 +1,14 @@
-"""The fused Triton dequantize-and-matmul kernel against dequantize() + F.linear, run on CPU
-tensors by Triton's interpreter (so this checks the kernel's indexing, masking, nibble order
-and group gathers; not its speed or the tensor cores' rounding)."""
+"""The fused Triton dequantize-and-matmul kernel against dequantize() + F.linear (in float32 on
+the CPU): on the GPU where there is one (the tensor cores' rounding included), else on CPU tensors
+by Triton's interpreter (which checks the kernel's indexing, masking, nibble order and group
+gathers, not the tensor cores)."""
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import TRITON_DEVICE
 from tritonlm.layers import triton_quant_matmul as tqm
 from tritonlm.layers import triton_support
 from tritonlm.layers.quantization import dequantize, pack_int4
@@ -48,6 +50,13 @@ def make_quantized(bits, out_features, in_features, group_size, act_order, asymm
     return qweight, scales, biases, g_idx
 
 
+def on_triton_device(*args):
+    """quantized_matmul of the CPU tensors `args` on TRITON_DEVICE, the result back on the CPU."""
+    moved = [a.to(TRITON_DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+    assert triton_support.available(moved[0].device)
+    return tqm.quantized_matmul(*moved).cpu()
+
+
 def reference(x, qweight, scales, biases, g_idx):
     weight = dequantize(qweight, scales, biases, g_idx, torch.float32)
     return F.linear(x.float(), weight)
@@ -60,8 +69,7 @@ def reference(x, qweight, scales, biases, g_idx):
 def test_matches_dequantize_then_linear(case, m, dtype):
     qweight, scales, biases, g_idx = make_quantized(*CASES[case])
     x = torch.randn(m, g_idx.shape[0], generator=torch.Generator().manual_seed(1)).to(dtype)
-    assert triton_support.available(x.device)
-    out = tqm.quantized_matmul(x, qweight, scales, biases, g_idx)
+    out = on_triton_device(x, qweight, scales, biases, g_idx)
     expected = reference(x, qweight, scales, biases, g_idx)
     assert out.dtype == dtype and out.shape == expected.shape
     tol = TOLERANCE[dtype]
@@ -72,7 +80,8 @@ def test_matches_dequantize_then_linear(case, m, dtype):
 def test_leading_dims_and_strided_input():
     qweight, scales, biases, g_idx = make_quantized(*CASES["4bit-act-order"])
     x = torch.randn(2, g_idx.shape[0], 3).transpose(1, 2)  # [2, 3, K], not contiguous
-    out = tqm.quantized_matmul(x, qweight, scales, biases, g_idx)
+    out = tqm.quantized_matmul(*(t.to(TRITON_DEVICE) for t in (x, qweight, scales, biases, g_idx)))
+    out = out.cpu()
     assert out.shape == (2, 3, qweight.shape[0])
     expected = reference(x, qweight, scales, biases, g_idx)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())

@@ -211,7 +211,7 @@ def main(argv=None) -> None:
         flops = workload_flops(roofline, runs[0])
         print(f"  matmul FLOPs: {flops['flops'] / 1e12:.2f} TFLOP in our run, "
               f"{flops['achieved_gflops']:.1f} GFLOP/s = {flops['fraction_of_peak']:.0%} of the "
-              f"measured float32 matmul peak ({roofline['matmul_peak_flops'] / 1e9:.1f} GFLOP/s)")
+              f"measured matmul peak ({roofline['matmul_peak_flops'] / 1e9:.1f} GFLOP/s)")
     if args.json:
         report.write_json(args.json, {"title": title, "dtype": config.dtype, "runs": runs,
                                       "ratios": vs, "ratio_rounds": ratio_rounds,

@@ -1,7 +1,7 @@
 """Both limits of a run: how close a batch-1 decode step comes to the memory-bandwidth roofline
 (every weight is read once per step, so a step cannot be faster than weight bytes ÷ memory
-bandwidth), and the matmul FLOPs a workload needs against this machine's measured float32
-matmul peak."""
+bandwidth), and the matmul FLOPs a workload needs against the measured matmul peak (CPU: float32;
+GPU: the model's dtype), both measured on the engine's device."""
 import time
 
 import torch
@@ -12,29 +12,36 @@ from tritonlm.bench.workloads import fixed
 from tritonlm.engine.llm_engine import LLMEngine
 
 
-def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes/s of a large tensor copy, counted as STREAM's copy does (bytes read + written)."""
-    source = torch.ones(num_bytes // 4, dtype=torch.float32)
+def _best_seconds(run, device: torch.device, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `run` after one untimed (device work waited for)."""
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize()
+        start = time.perf_counter()
+        run()
+        synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def copy_bandwidth(device: torch.device = torch.device("cpu"), repeats: int = 5) -> float:
+    """Bytes/s of a large tensor copy on `device` (1 GiB on CPU, 4 GiB on a GPU: several times
+    its cache), counted as STREAM's copy does (bytes read + written)."""
+    num_bytes = 4 << 30 if device.type == "cuda" else 1 << 30
+    source = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     target = torch.empty_like(source)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        target.copy_(source)
-        best = min(best, time.perf_counter() - start)
-    return 2 * num_bytes / best
+    return 2 * num_bytes / _best_seconds(lambda: target.copy_(source), device, repeats)
 
 
-def matmul_peak_flops(size: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of a large float32 matmul (MKL on CPU) on every thread torch uses: the FMA peak a
-    workload's matmuls can reach here."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size ** 3 / best
+def matmul_peak_flops(device: torch.device = torch.device("cpu"),
+                      dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
+    """FLOP/s of a large matmul: on CPU float32 (MKL) on every thread torch uses, the FMA peak a
+    workload's matmuls can reach; on a GPU in the model's dtype (the tensor cores')."""
+    size = 8192 if device.type == "cuda" else 2048
+    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
+    return 2 * size ** 3 / _best_seconds(lambda: torch.mm(a, b), device, repeats)
 
 
 def matmul_flops_per_token(model: nn.Module) -> tuple[int, int]:
@@ -89,12 +96,15 @@ def measure(engine: LLMEngine, prompt_len: int = 128, output_len: int = 64) -> d
     kv_per_token = _kv_bytes_per_token(engine)
     context = prompt_len + output_len / 2  # the mean context a step attends over
     bytes_per_step = weights + kv_per_token * context
-    bandwidth = copy_bandwidth()
+    device = engine.runner.device
+    bandwidth = copy_bandwidth(device)
     body_flops, head_flops = matmul_flops_per_token(model)
     return {"weight_bytes": weights, "kv_bytes_per_step": kv_per_token * context,
             "decode_step_ms": step * 1e3, "copy_bandwidth_gb_s": bandwidth / 1e9,
             "achieved_gb_s": bytes_per_step / step / 1e9,
             "roofline_step_ms": bytes_per_step / bandwidth * 1e3,
             "fraction_of_roofline": bytes_per_step / step / bandwidth,
-            "matmul_peak_flops": matmul_peak_flops(), "body_flops_per_token": body_flops,
+            "matmul_peak_flops": matmul_peak_flops(
+                device, engine.runner.dtype if device.type == "cuda" else torch.float32),
+            "body_flops_per_token": body_flops,
             "head_flops_per_token": head_flops}

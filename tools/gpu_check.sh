@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The GPU checks (issue 31), in one call on a CUDA machine that has torch, transformers and
+# Triton but none of our other dependencies and no network. Run from the repository root with
+# .gpu/ beside it (see "Prepare" below); logs go to $OUT (default ./gpu-out).
+#   tools/gpu_check.sh [tests] [memory] [bench] [served]   (default: all four)
+# Prepare (on a machine with PyPI): .gpu/tokenizer (SmolLM2's tokenizer saved by transformers),
+# .gpu/whl/ (gguf, tritonclient, nvidia-pytriton wheels for the GPU machine's Python).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+SECTIONS=${*:-tests memory bench served}
+PY=python3
+SITE=/tmp/tritonlm-site
+$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    .gpu/whl/*.whl >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+export PYTHONPATH="$PWD/backend_src:$PWD/tools/convert:$PWD/client:$SITE"
+export TRITONLM_TEST_TOKENIZER="$PWD/.gpu/tokenizer" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+$PY -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers',
+transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+
+section() {  # name, timeout seconds, command...
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    echo "=== $name"
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$OUT/$name.log"
+    echo "=== $name: rc $rc in $((SECONDS - start)) s"
+}
+
+PYTEST=($PY -m pytest -q -p no:cacheprovider -o addopts= --durations=15)
+if [[ $SECTIONS == *tests* ]]; then
+    section tests 180 "${PYTEST[@]}" -n 8 -m "not server" \
+        tests/test_gpu.py tests/test_triton_quant_matmul.py tests/test_decode_attention_kernels.py \
+        tests/test_cuda_decode_path.py tests/test_kv_cache_int8.py tests/test_family_*.py \
+        -k "not memory_utilization and not cpu and not two_threads and not bad_inputs \
+            and not holds_the_blocks and not smollm2 and not batched_preempted \
+            and not prefix_cache_gives and not sequence_lengths_per_token"
+fi
+if [[ $SECTIONS == *memory* ]]; then  # alone on the GPU: it reads the driver's memory in use
+    section memory 120 "${PYTEST[@]}" tests/test_gpu.py -k memory_utilization -s
+fi
+
+BENCH=/tmp/tritonlm-8b
+engine() {  # set engine.json keys of the 8B repository: engine key=value...
+    $PY - "$@" <<'EOF'
+import json, sys
+path = "/tmp/tritonlm-8b/repo/llm/1/engine.json"
+settings = json.load(open(path))
+settings.update({k: int(v) for k, v in (a.split("=") for a in sys.argv[1:])})
+json.dump(settings, open(path, "w"))
+EOF
+}
+bench() {  # name, timeout, bench args...
+    local name=$1 limit=$2; shift 2
+    section "$name" "$limit" $PY -m tritonlm.bench --model "$BENCH/repo/llm" --json "$OUT/$name.json" "$@"
+}
+if [[ $SECTIONS == *bench* || $SECTIONS == *served* ]] && [[ ! -d $BENCH/repo ]]; then
+    section make-8b 150 bash -c "$PY tools/random_checkpoint.py llama-3-8b --tokenizer .gpu/tokenizer \
+        --output $BENCH/hf && $PY -m tritonlm_convert $BENCH/hf --output $BENCH/repo --dtype bfloat16 \
+        --max-model-len 4096 --instance-kind KIND_GPU && rm -rf $BENCH/hf"
+fi
+if [[ $SECTIONS == *bench* ]]; then
+    engine max_num_seqs=1
+    bench ttft-2k 90 --mode offline --num-requests 4 --input-len 2048 --output-len 16 --roofline
+    engine max_num_seqs=32
+    bench offline-32 120 --mode offline --num-requests 64 --input-len 512 --output-len 256
+    engine max_num_seqs=256
+    bench offline-256 150 --mode offline --num-requests 512 --input-len 512 --output-len 256
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+fi
+if [[ $SECTIONS == *served* ]]; then
+    engine max_num_seqs=256
+    bench served 300 --mode serve --protocol grpc --concurrency 1,32,256 --num-requests 256 \
+        --input-len 512 --output-len 64
+fi
