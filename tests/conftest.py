@@ -21,8 +21,10 @@ TRITON_DEVICE = torch.device("cuda" if CUDA else "cpu")
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # On a GPU, tests run side by side (pytest -n): an engine that names no gpu_memory_utilization
-# takes this share of the GPU, not engine.json's 0.9.
+# takes this share of the GPU, not engine.json's 0.9, and captures CUDA graphs for at most
+# GPU_MAX_NUM_SEQS sequences (each batch size is a capture).
 GPU_SHARE = 0.03
+GPU_MAX_NUM_SEQS = 16
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -34,8 +36,10 @@ def small_gpu_share():
     load = EngineConfig.load.__func__
 
     def sharing(cls, model_dir, **overrides):
-        if overrides.get("gpu_memory_utilization") is None:
-            overrides["gpu_memory_utilization"] = GPU_SHARE
+        for key, value in (("gpu_memory_utilization", GPU_SHARE),
+                           ("max_num_seqs", GPU_MAX_NUM_SEQS)):
+            if overrides.get(key) is None:
+                overrides[key] = value
         return load(cls, model_dir, **overrides)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(EngineConfig, "load", classmethod(sharing))

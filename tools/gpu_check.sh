@@ -2,14 +2,14 @@
 # The GPU checks (issue 31), in one call on a CUDA machine that has torch, transformers and
 # Triton but none of our other dependencies and no network. Run from the repository root with
 # .gpu/ beside it (see "Prepare" below); logs go to $OUT (default ./gpu-out).
-#   tools/gpu_check.sh [tests] [memory] [bench] [served]   (default: all four)
+#   tools/gpu_check.sh [tests] [memory] [ttft] [offline32] [offline256] [served]  (default: all)
 # Prepare (on a machine with PyPI): .gpu/tokenizer (SmolLM2's tokenizer saved by transformers),
 # .gpu/whl/ (gguf, tritonclient, nvidia-pytriton wheels for the GPU machine's Python).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-SECTIONS=${*:-tests memory bench served}
+SECTIONS=${*:-tests memory ttft offline32 offline256 served}
 PY=python3
 SITE=/tmp/tritonlm-site
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
@@ -32,7 +32,7 @@ section() {  # name, timeout seconds, command...
 
 PYTEST=($PY -m pytest -q -p no:cacheprovider -o addopts= --durations=15)
 if [[ $SECTIONS == *tests* ]]; then
-    section tests 180 "${PYTEST[@]}" -n 8 -m "not server" \
+    section tests 180 "${PYTEST[@]}" -n 12 --timeout 100 -rfE --tb=short -m "not server" \
         tests/test_gpu.py tests/test_triton_quant_matmul.py tests/test_decode_attention_kernels.py \
         tests/test_cuda_decode_path.py tests/test_kv_cache_int8.py tests/test_family_*.py \
         -k "not memory_utilization and not cpu and not two_threads and not bad_inputs \
@@ -49,27 +49,36 @@ engine() {  # set engine.json keys of the 8B repository: engine key=value...
 import json, sys
 path = "/tmp/tritonlm-8b/repo/llm/1/engine.json"
 settings = json.load(open(path))
-settings.update({k: int(v) for k, v in (a.split("=") for a in sys.argv[1:])})
+settings.update({k: json.loads(v) for k, v in (a.split("=") for a in sys.argv[1:])})
 json.dump(settings, open(path, "w"))
 EOF
 }
 bench() {  # name, timeout, bench args...
     local name=$1 limit=$2; shift 2
-    section "$name" "$limit" $PY -m tritonlm.bench --model "$BENCH/repo/llm" --json "$OUT/$name.json" "$@"
+    section "$name" "$limit" $PY -c "import logging, sys
+logging.basicConfig(level=logging.WARNING)  # and the engine's memory sizing
+logging.getLogger('tritonlm.engine.model_runner').setLevel(logging.INFO)
+from tritonlm.bench.cli import main
+main(sys.argv[1:])" --model "$BENCH/repo/llm" --json "$OUT/$name.json" "$@"
 }
-if [[ $SECTIONS == *bench* || $SECTIONS == *served* ]] && [[ ! -d $BENCH/repo ]]; then
+if [[ $SECTIONS == *ttft* || $SECTIONS == *offline* || $SECTIONS == *served* ]] \
+        && [[ ! -d $BENCH/repo ]]; then
     section make-8b 150 bash -c "$PY tools/random_checkpoint.py llama-3-8b --tokenizer .gpu/tokenizer \
         --output $BENCH/hf && $PY -m tritonlm_convert $BENCH/hf --output $BENCH/repo --dtype bfloat16 \
         --max-model-len 4096 --instance-kind KIND_GPU && rm -rf $BENCH/hf"
 fi
-if [[ $SECTIONS == *bench* ]]; then
+if [[ $SECTIONS == *ttft* ]]; then  # one request at a time: TTFT without queueing, batch-1 decode
     engine max_num_seqs=1
-    bench ttft-2k 90 --mode offline --num-requests 4 --input-len 2048 --output-len 16 --roofline
+    bench ttft-2k 90 --mode offline --num-requests 1 --rounds 3 --input-len 2048 --output-len 16 \
+        --roofline
+fi
+if [[ $SECTIONS == *offline32* ]]; then
     engine max_num_seqs=32
     bench offline-32 120 --mode offline --num-requests 64 --input-len 512 --output-len 256
-    engine max_num_seqs=256
+fi
+if [[ $SECTIONS == *offline256* ]]; then
+    engine max_num_seqs=256 gpu_memory_utilization=${UTILIZATION:-0.9}
     bench offline-256 150 --mode offline --num-requests 512 --input-len 512 --output-len 256
-    nvidia-smi --query-gpu=memory.used,memory.total --format=csv
 fi
 if [[ $SECTIONS == *served* ]]; then
     engine max_num_seqs=256

@@ -1,5 +1,7 @@
 """Owns the model, the KV cache and every tensor: turns a StepPlan into sampled tokens."""
 import dataclasses
+import logging
+import time
 from pathlib import Path
 
 import torch
@@ -9,7 +11,7 @@ from tritonlm.distributed import parallel_state
 from tritonlm.distributed.ranks import RankGroup, join_process_group
 from tritonlm.engine.auto_dtype import resolve_dtype
 from tritonlm.engine.decode_graphs import DecodeGraphs, batch_buckets, program_buckets
-from tritonlm.engine.kv_cache_sizing import cuda_kv_cache_budget, profile_steps
+from tritonlm.engine.kv_cache_sizing import GIB, cuda_kv_cache_budget, profile_steps
 from tritonlm.engine.prompt_logprobs import prompt_logprobs
 from tritonlm.engine.sampling_inputs import SamplingInputs
 from tritonlm.engine.step_inputs import StepInputBuilder
@@ -23,6 +25,7 @@ from tritonlm.layers.sampler import sample
 from tritonlm.layers.token_counts import TokenCounts
 from tritonlm.models.loader import load_config, load_model
 
+logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -82,7 +85,11 @@ class ModelRunner:
                 [spec.sliding_window for spec in self.inputs.window_specs], self.device,
                 cpu_kernels.load().OpProgram if record else None)
             if self.device.type == "cuda":
+                start, held = time.perf_counter(), torch.cuda.memory_reserved(self.device)
                 self.decode_graphs.capture()
+                logger.info("CUDA graphs of %d decode batch sizes captured in %.1f s, %.2f GiB",
+                            len(self.decode_graphs.graphs), time.perf_counter() - start,
+                            (torch.cuda.memory_reserved(self.device) - held) / GIB)
         else:
             self._allocate_kv_cache(self.num_blocks)
 
@@ -194,9 +201,16 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - cache_bytes
         torch.cuda.empty_cache()
         free_now, total = torch.cuda.mem_get_info(self.device)
-        return cuda_kv_cache_budget(total, self.free_at_start, free_now,
-                                    torch.cuda.memory_reserved(self.device), peak,
-                                    self.config.gpu_memory_utilization)
+        reserved = torch.cuda.memory_reserved(self.device)
+        budget = cuda_kv_cache_budget(total, self.free_at_start, free_now, reserved, peak,
+                                      self.config.gpu_memory_utilization)
+        logger.info(
+            "KV cache sizing: GPU %.2f GiB, %.2f free at start, %.2f free now; torch holds %.2f "
+            "(%.2f allocated), peaked at %.2f in the profile steps besides their %.2f GiB cache; "
+            "cache budget %.2f GiB", total / GIB, self.free_at_start / GIB, free_now / GIB,
+            reserved / GIB, torch.cuda.memory_allocated(self.device) / GIB, peak / GIB,
+            cache_bytes / GIB, budget / GIB)
+        return budget
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
