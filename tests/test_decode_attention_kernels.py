@@ -170,6 +170,29 @@ def test_empty_context_gives_zeros(kernel):
     assert torch.equal(out[0], torch.zeros_like(out[0])) and out[1].isfinite().all()
 
 
+@pytest.mark.parametrize("splits", [2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", ["plain", "alibi", "window"])
+def test_triton_context_splits_match_reference(dtype, variant, splits):
+    """The Triton kernel with each row's context split over several programs (few rows on a
+    GPU), merged by the second kernel: splits that get no key (short contexts, blocks before a
+    window), an empty context, GQA and MQA."""
+    contexts = [1, 16, 17, 100, 0, 64, 33, 5]
+    for hq, hkv in ((9, 3), (6, 1)):
+        q, k, v, rows, ctx = make_case(len(contexts), hq, hkv, 64, contexts, dtype=dtype)
+        slopes = torch.linspace(0.05, 0.5, hq) if variant == "alibi" else None
+        window = 20 if variant == "window" else 0
+        moved = [t.to(TRITON_DEVICE) for t in (q, k, v, rows, ctx)]
+        out = triton_paged_attention.decode_attention(
+            *moved, 0.125, None if slopes is None else slopes.to(TRITON_DEVICE), window,
+            splits=splits).cpu()
+        expected = reference(q, k, v, rows, ctx, 0.125, slopes, window)
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out.float(), expected.nan_to_num(0.0), atol=tolerance,
+                                   rtol=tolerance)
+        assert torch.equal(out[4], torch.zeros_like(out[4]))  # the empty context
+
+
 def test_two_threads_match_one(cpu_kernel):
     kernel = cpu_kernel
     q, k, v, rows, ctx = make_case(8, 9, 3, 64, [1, 200, 37, 16, 90, 5, 128, 64],

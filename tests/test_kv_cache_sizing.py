@@ -13,7 +13,7 @@ def test_budget_is_the_fraction_less_peak_and_memory_outside_torch():
     # A 80 GiB GPU with 1 GiB taken by another process; the engine took 21 GiB: torch reserves
     # 20.5 of it (peak allocated 18), CUDA's context and cuBLAS the other 0.5.
     budget = cuda_kv_cache_budget(total=80 * GIB, free_at_start=79 * GIB, free_now=58 * GIB,
-                                  reserved_now=int(20.5 * GIB), peak_allocated=18 * GIB,
+                                  reserved_now=int(20.5 * GIB), peak_reserved=18 * GIB,
                                   utilization=0.9)
     assert budget == int(0.9 * 80 * GIB) - 18 * GIB - GIB // 2
 

@@ -32,7 +32,7 @@ section() {  # name, timeout seconds, command...
 
 PYTEST=($PY -m pytest -q -p no:cacheprovider -o addopts= --durations=15)
 if [[ $SECTIONS == *tests* ]]; then
-    section tests 180 "${PYTEST[@]}" -n 12 --timeout 100 -rfE --tb=short -m "not server" \
+    section tests 300 "${PYTEST[@]}" -n 14 --timeout 60 -rfE --tb=short --junitxml="$OUT/tests.xml" -m "not server" \
         tests/test_gpu.py tests/test_triton_quant_matmul.py tests/test_decode_attention_kernels.py \
         tests/test_cuda_decode_path.py tests/test_kv_cache_int8.py tests/test_family_*.py \
         -k "not memory_utilization and not cpu and not two_threads and not bad_inputs \
@@ -58,8 +58,14 @@ bench() {  # name, timeout, bench args...
     section "$name" "$limit" $PY -c "import logging, sys
 logging.basicConfig(level=logging.WARNING)  # and the engine's memory sizing
 logging.getLogger('tritonlm.engine.model_runner').setLevel(logging.INFO)
+import torch
 from tritonlm.bench.cli import main
-main(sys.argv[1:])" --model "$BENCH/repo/llm" --json "$OUT/$name.json" "$@"
+torch.cuda.memory._record_memory_history(max_entries=200000)  # a snapshot if it runs out
+try:
+    main(sys.argv[1:])
+except (torch.OutOfMemoryError, torch.AcceleratorError):  # capture_end: the latter
+    torch.cuda.memory._dump_snapshot('$OUT/oom-snapshot.pickle')
+    raise" --model "$BENCH/repo/llm" --json "$OUT/$name.json" "$@"
 }
 if [[ $SECTIONS == *ttft* || $SECTIONS == *offline* || $SECTIONS == *served* ]] \
         && [[ ! -d $BENCH/repo ]]; then

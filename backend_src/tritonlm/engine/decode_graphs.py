@@ -72,10 +72,11 @@ class DecodeGraphs:
                 and all(len(c.token_ids) == 1 and c.encoder_token_ids is None
                         and len(c.block_table) <= self.max_blocks for c in chunks))
 
+    @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first, in one memory pool; each runs eagerly once first
         (lazy initialisation, kernel compilation). All rows are padding: only the scratch block
-        is written."""
+        is written. (In inference mode, as steps run: no autograd records in the graphs.)"""
         self._fill([], self.buckets[-1])
         pool = None
         for bucket in reversed(self.buckets):

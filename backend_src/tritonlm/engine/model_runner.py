@@ -198,7 +198,9 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         cache_bytes = self.run_profile_steps() * self._bytes_per_block()
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - cache_bytes
+        # Reserved, not allocated: what the driver counts, the allocator's rounding and
+        # fragmentation included.
+        peak = torch.cuda.max_memory_reserved(self.device) - cache_bytes
         torch.cuda.empty_cache()
         free_now, total = torch.cuda.mem_get_info(self.device)
         reserved = torch.cuda.memory_reserved(self.device)
