@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_convert
 from tritonlm import LLM, SamplingParams
 from tritonlm.layers import cpu_gemm, cpu_kernels
 from tritonlm.layers.linear import ColumnParallelLinear
@@ -184,11 +183,12 @@ TEXT = ("The history of the city begins in the Roman era, when a small settlemen
 @pytest.mark.skipif(cpu_gemm.prepack(torch.zeros(32, 32, dtype=torch.bfloat16), 32) is None,
                     reason="no bfloat16 packing for this CPU")
 def test_bfloat16_engine_as_close_to_float32_with_prepacking_as_without(
-        tmp_path, smollm2_tokenizer, monkeypatch):
+        smollm2_repo, smollm2_tokenizer, monkeypatch):
     """Every prefix of a text, one greedy token each: against the same weights run in float32,
-    the bf16 engine on packed weights agrees as often, with logprobs as close, as on plain
-    F.linear (whose matmuls HF transformers runs)."""
-    repo = str(run_convert("default", tmp_path, "--dtype", "bfloat16"))
+    the bf16 engine (the float32 repository's weights rounded on load, as a bfloat16 conversion
+    rounds them) on packed weights agrees as often, with logprobs as close, as on plain F.linear
+    (whose matmuls HF transformers runs)."""
+    repo = str(smollm2_repo)
     ids = smollm2_tokenizer.encode(TEXT)
     prompts = [ids[:n] for n in range(4, len(ids))]
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
@@ -203,10 +203,10 @@ def test_bfloat16_engine_as_close_to_float32_with_prepacking_as_without(
             errors.append(abs(top[token] - reference.logprobs[0]["logprob"]))
         return agree, sum(errors) / len(errors)
 
-    packed = LLM(repo, num_kv_blocks=256)
+    packed = LLM(repo, num_kv_blocks=256, dtype="bfloat16")
     assert all(getattr(m, "packed", None) is not None
                for m in packed.engine.runner.model.modules() if isinstance(m, ColumnParallelLinear))
     agree, error = against_float32(packed)
     monkeypatch.setattr(cpu_gemm, "prepack", lambda weight, batch_hint, gated=False: None)
-    plain_agree, plain_error = against_float32(LLM(repo, num_kv_blocks=256))
+    plain_agree, plain_error = against_float32(LLM(repo, num_kv_blocks=256, dtype="bfloat16"))
     assert agree >= plain_agree - 3 and error <= 1.25 * plain_error + 0.005

@@ -115,7 +115,10 @@ def test_stop_token_ids_end_generation(smollm2_llm, smollm2_hf, smollm2_tokenize
 
 def test_chat_rendering_matches_transformers_and_custom_templates(smollm2_llm, smollm2_tokenizer,
                                                                   tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from conftest import run_convert
+    from family_check import save_tiny
     from tritonlm import LLM
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
                 {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"}]
@@ -125,14 +128,18 @@ def test_chat_rendering_matches_transformers_and_custom_templates(smollm2_llm, s
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
                         "{% if add_generation_prompt %}[assistant] {% endif %}")
-    model_dir = run_convert("default", tmp_path / "repo", "--dtype", "bfloat16",
-                            "--chat-template", str(template))
+    # The template is the converter's business, not the weights': a tiny model carries it.
+    save_tiny(tmp_path / "hf", LlamaForCausalLM, LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        vocab_size=len(smollm2_tokenizer)), smollm2_tokenizer)
+    model_dir = run_convert(tmp_path / "hf", tmp_path / "repo", "--chat-template", str(template))
     custom = LLM(str(model_dir), num_kv_blocks=16)
     assert custom.engine.request_builder.render_chat(messages[:2]) == "[system] Be brief.\n[user] Hi!\n[assistant] "
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
     import subprocess
     with __import__("pytest").raises(subprocess.CalledProcessError) as failure:
-        run_convert("default", tmp_path / "repo2", "--chat-template", str(tmp_path / "broken.jinja"))
+        run_convert(tmp_path / "hf", tmp_path / "repo2", "--chat-template",
+                    str(tmp_path / "broken.jinja"))
     assert "chat template" in failure.value.stderr
 
 
