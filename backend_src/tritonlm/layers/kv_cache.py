@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonlm.layers import cpu_kernels, huge_pages
+from tritonlm.layers import fused_ops, huge_pages
 
 INT8_MAX = 127
 SCALE_DTYPE = torch.float16
@@ -73,7 +73,7 @@ class LayerKV:
     def write(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, width: int) -> None:
         """Store K/V [N, Hkv, D] at `rows` of the caches viewed as [-1, width] values."""
         head_dim = self.key.shape[-1]
-        kernels = cpu_kernels.for_tensor(k)
+        kernels = fused_ops.for_tensor(k)
         if (kernels is not None and self.key_scales is None and width == head_dim
                 and self.key.dtype == k.dtype and k.stride(-1) == 1 and v.stride(-1) == 1):
             kernels.write_kv_(self.key.view(-1, width), self.value.view(-1, width), k, v, rows)

@@ -3,7 +3,7 @@ each rank computes its slice of the intermediate features; the down projection s
 import torch
 from torch import nn
 
-from tritonlm.layers import cpu_kernels
+from tritonlm.layers import fused_ops
 from tritonlm.layers.activation import FUSED_CODES, activation
 from tritonlm.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -26,7 +26,7 @@ class GatedMLP(nn.Module):
             if hidden is not None:
                 return self.down_proj(hidden)
         gate_up = self.gate_up_proj(x)
-        kernels = cpu_kernels.for_tensor(gate_up)
+        kernels = fused_ops.for_tensor(gate_up)
         if kernels is None or self.fused_code is None:
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)

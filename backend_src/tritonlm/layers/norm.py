@@ -1,9 +1,10 @@
-"""Normalisation layers with Hugging Face numerics (statistics in float32). On CPU one fused
-kernel (csrc/fused_ops.cpp) does the residual add and the normalisation with the same roundings."""
+"""Normalisation layers with Hugging Face numerics (statistics in float32). One fused kernel
+(layers/fused_ops.py: C++ on CPU, Triton on CUDA) does the residual add and the normalisation
+with the same roundings."""
 import torch
 from torch import nn
 
-from tritonlm.layers import cpu_kernels
+from tritonlm.layers import fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -17,8 +18,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`, the pre-norm block's add as well: (norm(s), s) for
-        s = x + residual, which the CPU kernel writes over residual's storage."""
-        kernels = cpu_kernels.for_tensor(x)
+        s = x + residual, which the fused kernel writes over residual's storage."""
+        kernels = fused_ops.for_tensor(x)
         if kernels is None or self.weight.dtype != x.dtype:
             if residual is None:
                 return self.normalize(x)

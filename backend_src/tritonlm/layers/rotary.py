@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from tritonlm.layers import cpu_kernels
+from tritonlm.layers import fused_ops
 from tritonlm.layers.attention_metadata import AttentionMetadata
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # a step's per-token cos and sin, [T, 1, rotary_dim]
@@ -31,8 +31,8 @@ def _inverse_frequencies(config, rotary_dim: int) -> tuple[torch.Tensor, float]:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates the first rotary_dim features of x [T, H, D]; cos and sin: [T, 1, rotary_dim].
-    On CPU the fused kernel rotates x in place (and returns it)."""
-    kernels = cpu_kernels.for_tensor(x)
+    The fused kernel (C++ on CPU, Triton on CUDA) rotates x in place (and returns it)."""
+    kernels = fused_ops.for_tensor(x)
     if kernels is not None and x.stride(-1) == 1 and cos.dtype == x.dtype:
         kernels.rotary_(x, cos.squeeze(1), sin.squeeze(1))
         return x

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonlm.layers import cpu_kernels
+from tritonlm.layers import fused_ops
 
 _MASK64 = (1 << 64) - 1
 
@@ -89,7 +89,7 @@ class SamplerOutput:
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """logits [S, V] -> chosen tokens with their logprobs and the top-N alternatives."""
-    kernels = cpu_kernels.for_tensor(logits)
+    kernels = fused_ops.for_tensor(logits)
     if (kernels is not None and t.all_greedy and t.seen is None and not t.banned_rows.numel()
             and t.bias_rows is None and t.watermark_rows is None and t.bitmask_rows is None
             and logits.stride(-1) == 1):
