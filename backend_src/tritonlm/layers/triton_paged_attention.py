@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from tritonlm.layers.triton_support import triton_modules
+from tritonlm.layers.triton_support import interpreting, triton_modules
 
 # Programs to aim for per multiprocessor, and the fewest cache blocks a split walks.
 PROGRAMS_PER_SM = 2
@@ -81,7 +81,7 @@ def _kernels():
         if SPLITS == 1:
             out = acc / tl.where(total > 0, total, 1.0)[:, None]  # an empty context gives zeros
             tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                     out, mask=mask_out)
+                     out.to(out_ptr.dtype.element_ty), mask=mask_out)
         else:
             index = (row * (stride_ob // stride_oh) + heads) * SPLITS + split  # in [B, Hq, SPLITS]
             tl.store(max_ptr + index, running_max, mask=mask_g)
@@ -108,7 +108,7 @@ def _kernels():
                           mask=mask_s[:, None] & (offs_d < D)[None, :], other=0.0)
         total = tl.sum(weights * sums, axis=0)
         out = tl.sum(weights[:, None] * partial, axis=0) / tl.where(total > 0, total, 1.0)
-        tl.store(out_ptr + head * D + offs_d, out, mask=offs_d < D)
+        tl.store(out_ptr + head * D + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
     return triton, split_kernel, merge_kernel
 
@@ -144,8 +144,10 @@ def decode_attention(q: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.
         raise ValueError(f"decode_attention: q {tuple(q.shape)}, K/V rows {tuple(key_rows.shape)}, "
                          f"blocks {tuple(blocks.shape)} do not fit together")
     q, key_rows, value_rows = q.contiguous(), key_rows.contiguous(), value_rows.contiguous()
-    # float32 out, cast by torch: the interpreter truncates float32 to bfloat16 instead of rounding
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    # The kernel rounds its float32 result into q's dtype (no cast kernel after it), except under
+    # the interpreter, which truncates float32 to bfloat16: there torch casts.
+    out = torch.empty(q.shape, dtype=torch.float32 if interpreting() else q.dtype,
+                      device=q.device)
     if rows == 0:
         return out.to(q.dtype)
     if splits is None:
@@ -171,4 +173,4 @@ def decode_attention(q: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.
         merge_kernel[(rows * num_heads,)](
             partial, maxima, sums, out, D=head_dim, DP=triton.next_power_of_2(head_dim),
             SPLITS=splits, SP=triton.next_power_of_2(splits))
-    return out.to(q.dtype)
+    return out.to(q.dtype)  # a no-op unless interpreting
