@@ -172,3 +172,24 @@ def test_constrained_sampling_runs_on_rank_zero_alone(converted):
             texts[tp] = [o.text for o in llm.generate(["Say three words:"] * 3, params)]
     assert all(re.fullmatch(pattern, t) for t in texts[2])
     assert texts[2] == texts[1]
+
+
+def test_an_engine_dropped_without_shutdown_stops_its_ranks(converted, capfd):
+    """`del llm` (no shutdown) of a two-rank engine: its worker exits cleanly, this process is
+    single-rank again, and a one-rank engine of the same model loads and gives the same tokens."""
+    import gc
+
+    from tritonlm.distributed import parallel_state
+    model = converted("llama-gqa-4-heads-2-kv")
+    prompts = random_prompts(2, model.hf.config.vocab_size, max_len=16, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    llm = LLM(str(model.repos[2]), block_size=8)
+    two_ranks = [o.token_ids for o in llm.generate(prompts, params)]
+    workers = llm.engine.ranks.workers
+    del llm
+    gc.collect()
+    assert [w.poll() for w in workers] == [0]
+    assert parallel_state.current() == parallel_state.TensorParallel()
+    with LLM(str(model.repos[1]), block_size=8) as one:
+        assert [o.token_ids for o in one.generate(prompts, params)] == two_ranks
+    assert "Traceback" not in capfd.readouterr().err

@@ -39,7 +39,11 @@ def main(argv=None) -> int:
     dist.barrier()  # loaded: rank 0 starts serving once every rank is here
     while True:
         message = [None]
-        dist.broadcast_object_list(message, src=0)
+        try:
+            dist.broadcast_object_list(message, src=0)
+        except RuntimeError as e:  # rank 0 closed the group without a word: it is gone
+            print(f"tritonlm-worker rank {args.rank}: rank 0 left ({e}); exiting", flush=True)
+            return 1
         plan = message[0]
         if plan is None:
             break

@@ -4,6 +4,7 @@ import itertools
 import logging
 import random
 import time
+import weakref
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -57,11 +58,14 @@ class LLMEngine:
         self._decoder = Tokenizer.from_str(self.tokenizer.backend_tokenizer.to_str())
         self.max_model_len = min(self.config.max_model_len, context_limit(self.hf_config))
         self.config.max_model_len = self.max_model_len
-        self.ranks = None
+        self.ranks = self._stop_ranks = None
         if self.config.tensor_parallel_size > 1:
             self.ranks = RankGroup(model_dir, self.config.tensor_parallel_size,
                                    dataclasses.asdict(self.config),
                                    resolve_device(self.config.device))
+            # An engine dropped without shutdown() (`del llm`) still stops its ranks and leaves
+            # this process single-rank for the next engine.
+            self._stop_ranks = weakref.finalize(self, self.ranks.shutdown)
         try:
             self.runner = ModelRunner(self.config, self.hf_config, weights_dir, self.ranks)
             if self.ranks is not None:
@@ -169,9 +173,10 @@ class LLMEngine:
         if self.ranks is None:
             return
         if step_running:
+            self._stop_ranks.detach()
             self.ranks.kill()
         else:
-            self.ranks.shutdown()
+            self._stop_ranks()
         self.ranks = None
 
     @property
