@@ -134,35 +134,49 @@ def test_gated_mlp_fused_or_not_gives_the_same(kernels, monkeypatch, act):
     assert torch.equal(fused, mlp(x))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (64, 16), (80, 20), (256, 256)])
-def test_rotary_matches_hf(kernels, dtype, head_dim, rotary_dim):
+def rotary_case(dtype, head_dim: int, rotary_dim: int, tokens: int = 11, heads: int = 5):
+    """Random q/k/v rows [tokens, 3 * heads * head_dim], the q part as [tokens, heads, head_dim]
+    (a strided view, as in models), cos and sin [tokens, rotary_dim], and HF's rotated q."""
     torch.manual_seed(head_dim + rotary_dim)
-    tokens, heads = 11, 5
     qkv = torch.randn(tokens, 3 * heads * head_dim, dtype=dtype)
-    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)  # a strided view, as in models
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
     angles = torch.rand(tokens, rotary_dim // 2) * 100
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     # HF: [batch, heads, seq, dim] with cos/sin [batch, seq, rotary_dim]
     expected, _ = apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None],
                                        cos[None], sin[None])
-    expected = expected[0].transpose(0, 1)
+    return qkv, q, cos, sin, expected[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (64, 16), (80, 20), (256, 256)])
+def test_rotary_matches_hf(kernels, dtype, head_dim, rotary_dim):
+    qkv, q, cos, sin, expected = rotary_case(dtype, head_dim, rotary_dim)
+    heads = q.shape[1]
     before = qkv.clone()
     actual = apply_rotary(q, cos.unsqueeze(1), sin.unsqueeze(1))
     assert_matches(actual.contiguous(), expected.contiguous())
     assert torch.equal(qkv[:, heads * head_dim:], before[:, heads * head_dim:])  # k, v untouched
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_argmax_logsumexp_matches_torch(kernels, dtype):
+def argmax_case(dtype) -> torch.Tensor:
+    """Logits with the hard rows: a tie, the maximum in a ragged tail, all -inf, a NaN, an inf,
+    and a NaN after an inf (torch.argmax takes the NaN)."""
     torch.manual_seed(5)
-    logits = (torch.randn(6, 49157) * 5).to(dtype)
+    logits = (torch.randn(7, 49157) * 5).to(dtype)
     logits[1, 100] = logits[1, 40000] = 60  # a tie: the first index wins
-    logits[2, 49156] = 70  # the maximum in the ragged tail
+    logits[2, 49156] = 70
     logits[3] = float("-inf")
     logits[4, 7] = float("nan")
     logits[5, 3] = float("inf")
+    logits[6, 9], logits[6, 20000] = float("inf"), float("nan")
+    return logits
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_logsumexp_matches_torch(kernels, dtype):
+    logits = argmax_case(dtype)
     tokens, lse = kernels.argmax_logsumexp(logits)
     assert torch.equal(tokens, logits.argmax(dim=-1))
     torch.testing.assert_close(lse, torch.logsumexp(logits.float(), dim=-1), rtol=1e-6, atol=1e-5,

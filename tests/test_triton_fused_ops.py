@@ -7,11 +7,10 @@ import pytest
 import torch
 from transformers.activations import ACT2FN
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from conftest import TRITON_DEVICE
-from test_cpu_kernels_fused import DTYPES, assert_matches
+from test_cpu_kernels_fused import DTYPES, argmax_case, assert_matches, rotary_case
 from tritonlm.layers import cpu_kernels, fused_ops
 from tritonlm.layers import triton_fused_ops as ops
 from tritonlm.layers.activation import FUSED_CODES
@@ -68,19 +67,12 @@ def test_act_and_mul_matches_hf(act, dtype, width):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (64, 16), (80, 20), (256, 256)])
 def test_rotary_matches_hf(dtype, head_dim, rotary_dim):
-    torch.manual_seed(head_dim + rotary_dim)
-    tokens, heads = 11, 5
-    qkv = torch.randn(tokens, 3 * heads * head_dim, dtype=dtype)
-    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)  # a strided view, as in models
-    angles = torch.rand(tokens, rotary_dim // 2) * 100
-    emb = torch.cat((angles, angles), dim=-1)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-    expected, _ = apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None],
-                                       cos[None], sin[None])
+    qkv, q, cos, sin, expected = rotary_case(dtype, head_dim, rotary_dim)
+    tokens, heads = q.shape[:2]
     device_qkv, device_cos, device_sin = on_device(qkv, cos, sin)
     device_q = device_qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
     ops.rotary_(device_q, device_cos, device_sin)
-    assert_close_as(device_q.contiguous(), expected[0].transpose(0, 1).contiguous())
+    assert_close_as(device_q.contiguous(), expected.contiguous())
     assert torch.equal(device_qkv[:, heads * head_dim:].cpu(), qkv[:, heads * head_dim:])
 
 
@@ -104,14 +96,7 @@ def test_cache_write_of_split_qkv_rows_equals_index_copy(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_argmax_logsumexp_matches_torch(dtype):
-    torch.manual_seed(5)
-    logits = (torch.randn(7, 49157) * 5).to(dtype)
-    logits[1, 100] = logits[1, 40000] = 60  # a tie: the first index wins
-    logits[2, 49156] = 70  # the maximum in the ragged tail
-    logits[3] = float("-inf")
-    logits[4, 7] = float("nan")
-    logits[5, 3] = float("inf")
-    logits[6, 9], logits[6, 20000] = float("inf"), float("nan")  # NaN beats an earlier inf
+    logits = argmax_case(dtype)
     tokens, lse = ops.argmax_logsumexp(*on_device(logits))
     assert torch.equal(tokens.cpu(), logits.argmax(dim=-1))
     torch.testing.assert_close(lse.cpu(), torch.logsumexp(logits.float(), dim=-1), rtol=1e-6,
