@@ -103,7 +103,7 @@ def test_argmax_logsumexp_matches_torch(dtype):
                                atol=1e-5, equal_nan=True)
 
 
-def test_bad_inputs_are_refused_clearly():
+def test_bad_arguments_are_refused_clearly():
     x = torch.randn(4, 8, device=TRITON_DEVICE)
     with pytest.raises(ValueError, match="weight must be"):
         ops.rms_norm(x, torch.randn(8, dtype=torch.bfloat16, device=TRITON_DEVICE), 1e-6)
@@ -123,7 +123,7 @@ def test_bad_inputs_are_refused_clearly():
         ops.argmax_logsumexp(torch.zeros(2, 3, dtype=torch.int64, device=TRITON_DEVICE))
 
 
-def test_layers_get_the_cpp_kernels_on_cpu_and_these_on_cuda():
+def test_layers_get_the_cpp_kernels_or_these_by_device():
     x = torch.zeros(2, 8, dtype=torch.bfloat16)
     assert fused_ops.for_tensor(x) is cpu_kernels.for_tensor(x)
     if torch.cuda.is_available():

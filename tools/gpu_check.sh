@@ -32,9 +32,10 @@ section() {  # name, timeout seconds, command...
 
 PYTEST=($PY -m pytest -q -p no:cacheprovider -o addopts= --durations=15)
 if [[ $SECTIONS == *tests* ]]; then
-    section tests 300 "${PYTEST[@]}" -n 14 --timeout 60 -rfE --tb=short --junitxml="$OUT/tests.xml" -m "not server" \
+    section tests 300 "${PYTEST[@]}" -n 14 --timeout 60 -rfE --tb=short -m "not server" \
+        --junitxml="$OUT/tests.xml" \
         tests/test_gpu.py tests/test_triton_quant_matmul.py tests/test_decode_attention_kernels.py \
-        tests/test_cuda_decode_path.py tests/test_kv_cache_int8.py tests/test_family_*.py \
+        tests/test_triton_fused_ops.py tests/test_cuda_decode_path.py tests/test_kv_cache_int8.py tests/test_family_*.py \
         -k "not memory_utilization and not cpu and not two_threads and not bad_inputs \
             and not holds_the_blocks and not smollm2 and not batched_preempted \
             and not prefix_cache_gives and not sequence_lengths_per_token"
