@@ -64,8 +64,10 @@ class LLMEngine:
                                    dataclasses.asdict(self.config),
                                    resolve_device(self.config.device))
             # An engine dropped without shutdown() (`del llm`) still stops its ranks and leaves
-            # this process single-rank for the next engine.
+            # this process single-rank for the next engine. Not at exit: another thread may be
+            # inside a collective then, and the workers leave when this process does.
             self._stop_ranks = weakref.finalize(self, self.ranks.shutdown)
+            self._stop_ranks.atexit = False
         try:
             self.runner = ModelRunner(self.config, self.hf_config, weights_dir, self.ranks)
             if self.ranks is not None:
