@@ -1,7 +1,7 @@
 """Shared fixtures: the embedded SmolLM2 GGUF, tiny random-weight models, conversion."""
 import os
 
-import torch  # noqa: E402
+import torch
 
 # Without a GPU, Triton's CPU interpreter runs our Triton kernels (test_triton_quant_matmul.py,
 # test_decode_attention_kernels.py, test_cuda_decode_path.py) on CPU tensors; on a CUDA host they

@@ -1,8 +1,9 @@
 """The paged decode-attention kernels, the C++ one (csrc/paged_decode_attention.cpp) and the
 OpenAI-Triton one for CUDA (layers/triton_paged_attention.py: on the GPU where there is one, else
-by Triton's CPU interpreter), compute what plain PyTorch computes on the gathered blocks: GQA / MHA / MQA, several
-head dims and block sizes, shuffled blocks, ALiBi, sliding windows. (How PagedAttention routes a
-step's rows to them: test_cpu_kernels_prefill and test_cuda_decode_path.)"""
+by Triton's CPU interpreter), compute what plain PyTorch computes on the gathered blocks: GQA /
+MHA / MQA, several head dims and block sizes, shuffled blocks, ALiBi, sliding windows. (How
+PagedAttention routes a step's rows to them: test_cpu_kernels_prefill and
+test_cuda_decode_path.)"""
 from types import SimpleNamespace
 
 import pytest
