@@ -11,9 +11,9 @@ import functools
 
 import torch
 
+from tritonlm.layers.cpu_kernels import FLOAT_DTYPES
 from tritonlm.layers.triton_support import triton_modules
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ACTIVATIONS = (0, 1)  # silu, gelu with the tanh approximation (layers/activation.py's codes)
 
 

@@ -8,9 +8,8 @@ import functools
 
 import torch
 
+from tritonlm.layers.cpu_kernels import FLOAT_DTYPES
 from tritonlm.layers.triton_support import available, interpreting, triton_modules
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @functools.cache
@@ -59,7 +58,7 @@ def _kernel():
 
 
 def _check(x, qweight, scales, biases, g_idx) -> None:
-    if x.dtype not in _FLOAT_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x must be float16, bfloat16 or float32, not {x.dtype}")
     if qweight.dtype not in (torch.uint8, torch.int8) or qweight.dim() != 2:
         raise ValueError(f"qweight must be 2-D uint8 (4 bits) or int8 (8 bits), "
