@@ -18,10 +18,11 @@ _PROFILE_SAMPLING = SamplingRow(
 
 
 def cuda_kv_cache_budget(total: int, free_at_start: int, free_now: int, reserved_now: int,
-                         peak_reserved: int, utilization: float) -> int:
+                         peak_reserved: int, utilization: float, graph_bytes: int = 0) -> int:
     """Bytes for the KV cache: `utilization` of the GPU's `total` memory, less the peak torch
-    reserved (weights and the profiled steps) and what this process holds outside torch's allocator
-    (what it took since it started, `free_at_start - free_now`, beyond torch's `reserved_now`)."""
+    reserved (weights and the profiled steps), what this process holds outside torch's allocator
+    (what it took since it started, `free_at_start - free_now`, beyond torch's `reserved_now`) and
+    what the decode step's CUDA graphs will hold (`graph_bytes`)."""
     requested = int(total * utilization)
     if requested > free_at_start:
         raise ValueError(
@@ -29,13 +30,14 @@ def cuda_kv_cache_budget(total: int, free_at_start: int, free_now: int, reserved
             f"{free_at_start / GIB:.2f} of {total / GIB:.2f} GiB were free when the engine started "
             f"(other processes hold the rest); lower gpu_memory_utilization")
     outside_torch = max(0, free_at_start - free_now - reserved_now)
-    budget = requested - peak_reserved - outside_torch
+    budget = requested - peak_reserved - outside_torch - graph_bytes
     if budget <= 0:
         raise ValueError(
             f"gpu_memory_utilization {utilization} ({requested / GIB:.2f} GiB) leaves nothing for "
-            f"the KV cache: the weights and the largest step peak at {peak_reserved / GIB:.2f} GiB "
-            f"and {outside_torch / GIB:.2f} GiB is held outside torch; raise it, or lower "
-            f"max_num_batched_tokens or max_num_seqs")
+            f"the KV cache: the weights and the largest step peak at {peak_reserved / GIB:.2f} "
+            f"GiB, {outside_torch / GIB:.2f} GiB is held outside torch and the CUDA graphs take "
+            f"{graph_bytes / GIB:.2f} GiB; raise it, or lower max_num_batched_tokens or "
+            f"max_num_seqs")
     return budget
 
 

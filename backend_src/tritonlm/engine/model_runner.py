@@ -77,21 +77,24 @@ class ModelRunner:
         self.num_blocks = self._size_kv_cache()
         if self._decode_graphs_usable():
             self._allocate_kv_cache(self.num_blocks + 1)  # the last: the padding rows' scratch
-            record = self._records_programs()
-            self.decode_graphs = DecodeGraphs(
-                self.model, self.attention_layers[0].num_kv_heads, self.block_size,
-                config.max_model_len, (program_buckets if record else batch_buckets)(
-                    config.max_num_seqs), self.num_blocks,
-                [spec.sliding_window for spec in self.inputs.window_specs], self.device,
-                cpu_kernels.load().OpProgram if record else None)
+            self.decode_graphs = self._decode_graphs(self.num_blocks)
             if self.device.type == "cuda":
-                start, held = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+                start, free = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
                 self.decode_graphs.capture()
                 logger.info("CUDA graphs of %d decode batch sizes captured in %.1f s, %.2f GiB",
                             len(self.decode_graphs.graphs), time.perf_counter() - start,
-                            (torch.cuda.memory_reserved(self.device) - held) / GIB)
+                            (free - torch.cuda.mem_get_info(self.device)[0]) / GIB)
         else:
             self._allocate_kv_cache(self.num_blocks)
+
+    def _decode_graphs(self, scratch_block: int) -> DecodeGraphs:
+        record = self._records_programs()
+        return DecodeGraphs(
+            self.model, self.attention_layers[0].num_kv_heads, self.block_size,
+            self.config.max_model_len, (program_buckets if record else batch_buckets)(
+                self.config.max_num_seqs), scratch_block,
+            [spec.sliding_window for spec in self.inputs.window_specs], self.device,
+            cpu_kernels.load().OpProgram if record else None)
 
     def _decode_graphs_usable(self) -> bool:
         """CUDA graphs and CPU op programs need the fixed shapes of the paged decode kernel (not
@@ -204,15 +207,32 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free_now, total = torch.cuda.mem_get_info(self.device)
         reserved = torch.cuda.memory_reserved(self.device)
+        graph_bytes = self._decode_graph_bytes() if self._decode_graphs_usable() else 0
         budget = cuda_kv_cache_budget(total, self.free_at_start, free_now, reserved, peak,
-                                      self.config.gpu_memory_utilization)
+                                      self.config.gpu_memory_utilization, graph_bytes)
         logger.info(
             "KV cache sizing: GPU %.2f GiB, %.2f free at start, %.2f free now; torch holds %.2f "
             "(%.2f allocated), peaked at %.2f in the profile steps besides their %.2f GiB cache; "
-            "cache budget %.2f GiB", total / GIB, self.free_at_start / GIB, free_now / GIB,
-            reserved / GIB, torch.cuda.memory_allocated(self.device) / GIB, peak / GIB,
-            cache_bytes / GIB, budget / GIB)
+            "decode graphs %.2f GiB; cache budget %.2f GiB", total / GIB, self.free_at_start / GIB,
+            free_now / GIB, reserved / GIB, torch.cuda.memory_allocated(self.device) / GIB,
+            peak / GIB, cache_bytes / GIB, graph_bytes / GIB, budget / GIB)
         return budget
+
+    def _decode_graph_bytes(self) -> int:
+        """What the decode graphs will hold for good (their buffers and memory pool, and the
+        driver's memory for the graphs themselves), measured by capturing them once over a
+        one-block cache: all their rows are padding, which reads and writes only that block."""
+        self._allocate_kv_cache(1)
+        torch.cuda.synchronize(self.device)
+        free = torch.cuda.mem_get_info(self.device)[0]
+        graphs = self._decode_graphs(scratch_block=0)
+        graphs.capture()
+        torch.cuda.empty_cache()  # the eager warm-ups' blocks
+        held = free - torch.cuda.mem_get_info(self.device)[0]
+        del graphs  # its graphs' pool goes back with them
+        self._use_kv_cache(None)
+        torch.cuda.empty_cache()
+        return max(0, held)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:

@@ -8,8 +8,11 @@ windows as the PyTorch path applies them. Few rows leave most of a GPU idle (bat
 per kv head, each walking the whole context), so the context is split over more programs, as
 flash-decoding and vLLM's PagedAttention v2 do: each split writes its running max, sum and
 unnormalised output, and a second kernel merges them. The split count depends only on the shapes
-(a CUDA graph replays one grid for every context length; splits past a row's context write
-nothing to merge). Under TRITON_INTERPRET=1 it also runs on CPU tensors (the tests).
+(a CUDA graph replays one grid for every context length), but each row's context is shared out
+over all its splits: a program's loop is latency-bound (a block index, then its keys and values,
+per iteration), so a short context in a long max_model_len walks one or two blocks per split
+rather than one split's fixed share of max_model_len. Under TRITON_INTERPRET=1 it also runs on
+CPU tensors (the tests).
 """
 import functools
 
@@ -17,7 +20,8 @@ import torch
 
 from tritonlm.layers.triton_support import interpreting, triton_modules
 
-# Programs to aim for per multiprocessor, and the fewest cache blocks a split walks.
+# Programs to aim for per multiprocessor; at most one split per MIN_SPLIT_TOKENS of the longest
+# context (what the merge reads grows with the splits).
 PROGRAMS_PER_SM = 2
 MIN_SPLIT_TOKENS = 128
 
@@ -28,7 +32,7 @@ def _kernels():
 
     @triton.jit
     def split_kernel(q_ptr, k_ptr, v_ptr, blocks_ptr, lens_ptr, slopes_ptr, out_ptr, max_ptr,
-                     sum_ptr, scale, window, blocks_per_split,
+                     sum_ptr, scale, window,
                      stride_qb, stride_qh, stride_kr, stride_kt, stride_bb, stride_bh,
                      stride_ob, stride_oh,
                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
@@ -57,8 +61,10 @@ def _kernels():
         running_max = tl.full((GP,), float("-inf"), tl.float32)
         total = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, DP), tl.float32)
-        start = tl.maximum(first // BS, split * blocks_per_split)
-        end = tl.minimum(tl.cdiv(context, BS), (split + 1) * blocks_per_split)
+        first_block = first // BS
+        per_split = tl.cdiv(tl.cdiv(context, BS) - first_block, SPLITS)
+        start = first_block + split * per_split
+        end = tl.minimum(tl.cdiv(context, BS), start + per_split)
         for j in range(start, end):
             cache_row = tl.load(blocks_ptr + row * stride_bb + kv_head * stride_bh + j).to(tl.int64)
             positions = j * BS + offs_t
@@ -66,6 +72,7 @@ def _kernels():
             offsets = cache_row * stride_kr + offs_t[:, None] * stride_kt + offs_d[None, :]
             kv_mask = valid[:, None] & mask_d[None, :]
             k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)  # beside k's
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GP, BSP]
             if HAS_SLOPES:
                 scores += slopes[:, None] * (positions - (context - 1)).to(tl.float32)[None, :]
@@ -74,7 +81,6 @@ def _kernels():
             alpha = tl.exp(running_max - new_max)
             p = tl.exp(scores - new_max[:, None])
             total = total * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             running_max = new_max
         mask_out = mask_g[:, None] & mask_d[None, :]
@@ -121,7 +127,8 @@ def _multiprocessors(device: torch.device) -> int:
 def context_splits(rows: int, num_kv_heads: int, max_blocks: int, block_size: int,
                    device: torch.device) -> int:
     """How many programs share each (row, kv head)'s context: enough to give every
-    multiprocessor PROGRAMS_PER_SM programs, each walking at least MIN_SPLIT_TOKENS; 1 off CUDA."""
+    multiprocessor PROGRAMS_PER_SM programs, at most one per MIN_SPLIT_TOKENS of max_blocks'
+    tokens; 1 off CUDA."""
     if device.type != "cuda":
         return 1
     wanted = -(-PROGRAMS_PER_SM * _multiprocessors(device) // (rows * num_kv_heads))
@@ -163,7 +170,7 @@ def decode_attention(q: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.
     split_kernel[(rows, num_kv_heads, splits)](
         q, key_rows, value_rows, blocks, context_lens.contiguous(),
         slopes.float().contiguous() if slopes is not None else q, partial, maxima, sums,
-        float(scale), int(window), -(-max_blocks // splits),
+        float(scale), int(window),
         q.stride(0), q.stride(1), key_rows.stride(0), key_rows.stride(1),
         blocks.stride(0), blocks.stride(1), out.stride(0), out.stride(1),
         G=group, GP=triton.next_power_of_2(group), D=head_dim,
