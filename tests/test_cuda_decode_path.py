@@ -44,11 +44,12 @@ def use_cuda_kernels(monkeypatch):
 @pytest.mark.parametrize("model", MODELS)
 def test_triton_decode_kernel_gives_transformers_tokens(tmp_path, smollm2_tokenizer, monkeypatch,
                                                         model):
-    use_cuda_kernels(monkeypatch)  # enforce_eager: no graphs
+    use_cuda_kernels(monkeypatch)
     model_class, config_class, settings = MODELS[model]
     config = config_class(**settings, vocab_size=len(smollm2_tokenizer))
     llm, _, _ = assert_matches_transformers(tmp_path, model_class, config, smollm2_tokenizer,
-                                            num_prompts=3, new_tokens=8)
+                                            num_prompts=3, new_tokens=8,
+                                            enforce_eager=True)  # no graphs on a GPU either
     runner = llm.engine.runner
     assert runner.decode_graphs is None and runner.inputs.kernels["decode_kernel"]
     assert all(layer.kernels.decode is triton_paged_attention.decode_attention

@@ -52,6 +52,22 @@ def test_rms_norm_matches_hf(offset, hf_cls, hidden, dtype):
     assert_close_as(normed, theirs(residual + x), one_ulp=True)
 
 
+def assert_close_with_gpu_math(actual, expected, gate, up):
+    """On the GPU, exp and tanh are the GPU's, not torch's CPU ones (Sleef): a 16-bit value may
+    round one step the other way (one in a 63-value tensor is over 1%), and where tanh nears -1,
+    1 + tanh cancels: a few units of tanh's last place there (2^-24 each; the two saturate to -1
+    at different inputs) move 0.5 * gate * (1 + tanh) * up by |gate * up| * 2^-25 each."""
+    if TRITON_DEVICE.type != "cuda" or actual.dtype == torch.float32:
+        assert_close_as(actual, expected, one_ulp=True)
+        return
+    actual, gate, up = actual.cpu().float(), gate.float(), up.float()
+    finfo = torch.finfo(expected.dtype)
+    tolerance = (2 * finfo.eps * expected.float().abs() + (gate * up).abs() * 2.0 ** -22
+                 + finfo.smallest_normal / 16)
+    assert ((actual - expected.float()).abs() <= tolerance).all()
+    assert (actual != expected.float()).sum() <= max(1, expected.numel() // 100)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("width", [1536, 40, 7])
@@ -60,8 +76,8 @@ def test_act_and_mul_matches_hf(act, dtype, width):
     gate_up = torch.randn(9, 2 * width, dtype=dtype) * 3
     gate, up = gate_up.chunk(2, dim=-1)
     (device_gate_up,) = on_device(gate_up)
-    assert_close_as(ops.act_and_mul(device_gate_up, FUSED_CODES[act]), ACT2FN[act](gate) * up,
-                    one_ulp=True)
+    assert_close_with_gpu_math(ops.act_and_mul(device_gate_up, FUSED_CODES[act]),
+                               ACT2FN[act](gate) * up, gate, up)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

