@@ -65,7 +65,7 @@ def test_kept_smollm2_weights_are_the_gguf_blocks(kept_smollm2):
 
 def test_kept_smollm2_generates_what_the_dequantized_conversion_does(kept_smollm2, smollm2_repo):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    kept = [out.token_ids for out in LLM(str(kept_smollm2)).generate(PROMPTS, params)]
+    kept = [out.token_ids for out in LLM(str(kept_smollm2), quantized_activations="float").generate(PROMPTS, params)]
     dequantized = [out.token_ids for out in LLM(str(smollm2_repo)).generate(PROMPTS, params)]
     assert kept == dequantized
     size = {repo: (repo / "1" / WEIGHTS_DIR / "rank0.safetensors").stat().st_size
@@ -99,5 +99,6 @@ def test_mixed_gguf_keeps_the_layers_its_storage_can_hold(tmp_path):
         assert torch.equal(weights.get(name, kept.get(name)), tensor), name
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     prompts = [[256, 72, 101, 108, 108, 111], [256, 50, 43, 50]]
-    assert [out.token_ids for out in LLM(str(kept_dir), block_size=8).generate(prompts, params)] == \
+    kept = LLM(str(kept_dir), block_size=8, quantized_activations="float")
+    assert [out.token_ids for out in kept.generate(prompts, params)] == \
         [out.token_ids for out in LLM(str(float_dir), block_size=8).generate(prompts, params)]

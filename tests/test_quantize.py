@@ -145,7 +145,7 @@ def test_quantized_model_serves_what_transformers_does_with_its_dequantized_weig
     reference = _reference_with(tiny_dir, weights)
     prompts = random_prompts(3, reference.config.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
-    outputs = LLM(str(model_dir), block_size=8).generate(prompts, params)
+    outputs = LLM(str(model_dir), block_size=8, quantized_activations="float").generate(prompts, params)
     for prompt, out in zip(prompts, outputs):
         assert out.token_ids == reference_greedy(reference, prompt, NEW_TOKENS)
         with torch.inference_mode():
@@ -166,9 +166,9 @@ def test_two_ranks_generate_what_one_rank_does(quantized, method):
     assert torch.equal(halves[1][down + "g_idx"], columns // 48 if method == "int4" else columns * 0)
     prompts = random_prompts(3, 1000, max_len=24)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    with LLM(str(quantized(method)), block_size=8) as llm:
+    with LLM(str(quantized(method)), block_size=8, quantized_activations="float") as llm:
         expected = [out.token_ids for out in llm.generate(prompts, params)]
-    with LLM(str(quantized(method, 2)), block_size=8) as llm:
+    with LLM(str(quantized(method, 2)), block_size=8, quantized_activations="float") as llm:
         assert [out.token_ids for out in llm.generate(prompts, params)] == expected
 
 

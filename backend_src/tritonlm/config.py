@@ -8,6 +8,10 @@ ENGINE_FILE = "engine.json"
 WEIGHTS_DIR = "weights"
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model dtype
+# What 4-bit weights multiply on CPU: the float inputs, or decode batches' inputs quantized to
+# int8 (w4a8: faster where widening the weights bounds the float path); auto: int8 on CPUs
+# without AVX512 (engine/model_runner.py)
+QUANTIZED_ACTIVATIONS = ("auto", "float", "int8")
 
 
 @dataclass
@@ -22,6 +26,7 @@ class EngineConfig:
     kv_cache_memory: int = 1 << 30
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
+    quantized_activations: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     tensor_parallel_size: int = 1
@@ -46,6 +51,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
+            raise ValueError(f"quantized_activations must be one of {QUANTIZED_ACTIVATIONS}, "
+                             f"got {self.quantized_activations!r}")
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
                      "tensor_parallel_size", "kv_cache_memory", "stream_interval"):
             if getattr(self, name) < 1:

@@ -32,7 +32,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const std::optional<at::Tensor>& row_scales,
                             const std::optional<at::Tensor>& groups, int64_t group_size,
                             int64_t out_features, const std::optional<at::Tensor>& bias,
-                            int64_t sgemm_rows);
+                            int64_t sgemm_rows, int64_t int8_rows);
 double bf16_dot_product_speedup();
 void bind_op_program(pybind11::module_& m);  // op_program.cpp
 bool has_bf16_matmul();
@@ -84,9 +84,11 @@ TRITONLM_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // [N] float32 (int8) or by groups [blocks, G, 2, 32] float32 (per group of group_size input
   // features, the last one shorter, a scale and a bias per packed feature: w = q * scale +
   // bias); from sgemm_rows rows (0: never) the weight dequantized whole and multiplied by
-  // float32 sgemm; needs AVX2 + FMA (has_bf16_matmul).
+  // float32 sgemm; below int8_rows rows 4-bit groups multiply x quantized to int8 per row and
+  // group (w4a8); needs AVX2 + FMA (has_bf16_matmul).
   m.def("quantized_matmul(Tensor x, Tensor packed, Tensor? row_scales, Tensor? groups, "
-        "int group_size, int out_features, Tensor? bias=None, int sgemm_rows=0) -> Tensor");
+        "int group_size, int out_features, Tensor? bias=None, int sgemm_rows=0, "
+        "int int8_rows=0) -> Tensor");
 }
 
 TRITONLM_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {

@@ -55,6 +55,7 @@ struct DotProducts {
   using Isa = Avx512;
   static constexpr bool kGroups = false;
   static constexpr bool kPrewidens = false;
+  static constexpr bool kIntegerDots = false;
   template <int R>
   static void accumulate(__m512 (&acc)[R][2], const uint16_t* w, const X* x, int64_t x_stride) {
     const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + kBlock);
@@ -94,6 +95,7 @@ struct WidenedFma {
   // where widening costs more than a float32 load (bf16 measured slower so on Zen 1).
   static constexpr bool kPrewidens = std::is_same_v<Weight, int8_t> ||
                                      std::is_same_v<Weight, Int4Pair>;
+  static constexpr bool kIntegerDots = false;  // Int4Dots (packed_matmul_int8_dots.h)
   // Register v's lanes of a pair row as float32 (the stored values, not dequantized).
   static void widen(const W* w, int v, F& even, F& odd) {
     I::widen_pairs(w + v * I::kLanes * kLaneElems<W>, even, odd);
@@ -127,9 +129,11 @@ struct WidenedFma {
   }
 };
 
-// Asks for the cache lines of one pair row.
+// Asks for the cache lines of one pair row. Always inlined, as every function that prefetches
+// must be here: GCC finds a call that only prefetches free of effects and drops it before it
+// would inline it (the tiles ran without any of their prefetches so).
 template <int kHint, typename W>
-inline void prefetch_pair(const W* row) {
+__attribute__((always_inline)) inline void prefetch_pair(const W* row) {
   const char* bytes = reinterpret_cast<const char*>(row);
   for (int64_t b = 0; b < kPairElems<W> * static_cast<int64_t>(sizeof(W)); b += 64)
     _mm_prefetch(bytes + b, static_cast<_mm_hint>(kHint));
@@ -147,6 +151,7 @@ struct Tile {
   const float* groups;  // Mul::kGroups: the block's [groups, 2, 32] scales and biases
   int64_t group_pairs;  // pairs per group
   const float* x_sums;  // Mul::kGroups: row 0's sums of x over each group, then row 1's, ...
+  const float* x_scales;  // Mul::kIntegerDots: x's int8 scales, laid out as x_sums
   const O* bias_low;  // the low and high features' first bias values, or null
   const O* bias_high;
   O* out_low;   // first row's outputs of the low and high features (act(gate) * up: low)
@@ -158,6 +163,17 @@ struct Tile {
   const char* next;  // weights this tile pulls into L2 as it goes (see run_tasks), or null
   int64_t next_bytes_per_pair;
 };
+
+// Adds pair rows [begin, end) times x to sums, the tile's float32 accumulators.
+template <typename Mul, int R, typename O, typename Prefetch>
+void add_pairs(typename Mul::Isa::F (&sums)[R][kVecs<typename Mul::Isa>], const Tile<Mul, O>& t,
+               int64_t begin, int64_t end, Prefetch prefetch) {
+  for (int64_t p = begin; p < end; ++p) {
+    prefetch(p);
+    Mul::template accumulate<R>(sums, t.w + p * kPairElems<typename Mul::W>, t.x + 2 * p,
+                                t.x_stride);
+  }
+}
 
 // kAct < 0: the matmul (times each feature's scale, plus bias); else act(gate) * up with
 // activate<kAct> (cpu_vec.h) on a gated bfloat16 weight, rounded as the unfused matmul then
@@ -171,16 +187,13 @@ void matmul_tile(const Tile<Mul, O>& t) {
   F acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = I::zero();
-  auto add_pairs = [&](F (&sums)[R][V], int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const W* w = t.w + p * kPairElems<W>;
-      prefetch_pair<_MM_HINT_T0>(w + kPrefetchPairs * kPairElems<W>);
-      if (t.streams) prefetch_pair<_MM_HINT_T1>(w + kStreamAheadPairs * kPairElems<W>);
-      if (t.next) {
-        const char* line = t.next + p * t.next_bytes_per_pair;
-        for (int64_t b = 0; b < t.next_bytes_per_pair; b += 64) _mm_prefetch(line + b, _MM_HINT_T1);
-      }
-      Mul::template accumulate<R>(sums, w, t.x + 2 * p, t.x_stride);
+  auto prefetch = [&](int64_t p) __attribute__((always_inline)) {  // ahead of pair row p
+    const W* w = t.w + p * kPairElems<W>;
+    prefetch_pair<_MM_HINT_T0>(w + kPrefetchPairs * kPairElems<W>);
+    if (t.streams) prefetch_pair<_MM_HINT_T1>(w + kStreamAheadPairs * kPairElems<W>);
+    if (t.next) {
+      const char* line = t.next + p * t.next_bytes_per_pair;
+      for (int64_t b = 0; b < t.next_bytes_per_pair; b += 64) _mm_prefetch(line + b, _MM_HINT_T1);
     }
   };
   if constexpr (Mul::kGroups) {
@@ -190,7 +203,12 @@ void matmul_tile(const Tile<Mul, O>& t) {
       F sums[R][V];
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < V; ++v) sums[r][v] = I::zero();
-      add_pairs(sums, g * t.group_pairs, std::min(t.pairs, (g + 1) * t.group_pairs));
+      const int64_t begin = g * t.group_pairs, end = std::min(t.pairs, begin + t.group_pairs);
+      if constexpr (Mul::kIntegerDots)
+        Mul::template group_sums<R>(sums, t.w + begin * kPairElems<W>, t.x + 2 * begin,
+                                    t.x_stride, t.x_scales + g, groups, begin, end, prefetch);
+      else
+        add_pairs<Mul, R>(sums, t, begin, end, prefetch);
       for (int v = 0; v < V; ++v) {
         F scale, bias;
         Mul::group_params(group, v, scale, bias);
@@ -200,7 +218,7 @@ void matmul_tile(const Tile<Mul, O>& t) {
       }
     }
   } else {
-    add_pairs(acc, 0, t.pairs);
+    add_pairs<Mul, R>(acc, t, 0, t.pairs, prefetch);
   }
   int64_t cols[V];  // valid lanes of each register
   F bias[V], scale[V];
@@ -236,7 +254,13 @@ constexpr std::array<TileFn<Mul, O>, sizeof...(R)> tile_table(std::integer_seque
   return {&matmul_tile<Mul, O, R + 1, kAct>...};
 }
 template <typename Mul>
-constexpr int kTileRows = Mul::kGroups ? Mul::Isa::kMaxGroupedRows : Mul::Isa::kMaxRows;
+constexpr int tile_rows() {
+  if constexpr (Mul::kIntegerDots) return Mul::kRows;
+  else if constexpr (Mul::kGroups) return Mul::Isa::kMaxGroupedRows;
+  else return Mul::Isa::kMaxRows;
+}
+template <typename Mul>
+constexpr int kTileRows = tile_rows<Mul>();
 template <typename Mul>
 constexpr auto kRowCounts = std::make_integer_sequence<int, kTileRows<Mul>>{};
 // [activation + 1][rows - 1]; activations only on bfloat16 outputs

@@ -62,6 +62,12 @@ struct Avx512 {
     even = _mm512_loadu_ps(w);
     odd = _mm512_loadu_ps(w + kLanes);
   }
+  // Four vectors of 8 int32 sums (features 0-7, 8-15, 16-23, 24-31) as float32 registers.
+  static void int32_octets(const __m256i (&sums)[4], F (&out)[2]) {
+    for (int v = 0; v < 2; ++v)
+      out[v] = _mm512_cvtepi32_ps(
+          _mm512_inserti64x4(_mm512_castsi256_si512(sums[2 * v]), sums[2 * v + 1], 1));
+  }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static F load(const uint16_t* p, int64_t n) {  // bfloat16
@@ -112,6 +118,9 @@ struct Avx2 {
   static void widen_pairs(const float* w, F& even, F& odd) {  // widened already (prewiden)
     even = _mm256_loadu_ps(w);
     odd = _mm256_loadu_ps(w + kLanes);
+  }
+  static void int32_octets(const __m256i (&sums)[4], F (&out)[4]) {
+    for (int v = 0; v < 4; ++v) out[v] = _mm256_cvtepi32_ps(sums[v]);
   }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }

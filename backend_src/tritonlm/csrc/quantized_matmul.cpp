@@ -8,6 +8,8 @@
 //   group) + bias * (x's sum over the group).
 // A prompt's row tiles share a block widened once (prewiden in packed_matmul.h), or, where the
 // caller measured float32 sgemm faster (sgemm_rows), the whole weight is dequantized once for it.
+// Below int8_rows rows, 4-bit groups multiply x quantized to int8 (packed_matmul_int8_dots.h).
+#include "packed_matmul_int8_dots.h"
 #include "packed_matmul_tasks.h"
 
 namespace tritonlm {
@@ -59,17 +61,25 @@ void with_layout(bool int4, bool grouped, Run run) {
 
 Dequant dequant_of(const std::optional<at::Tensor>& row_scales,
                    const std::optional<at::Tensor>& groups, int64_t group_size,
-                   const float* x_sums) {
+                   const float* x_sums, const float* x_scales = nullptr) {
   return {row_scales ? row_scales->data_ptr<float>() : nullptr,
-          groups ? groups->data_ptr<float>() : nullptr, (group_size + 1) / 2, x_sums};
+          groups ? groups->data_ptr<float>() : nullptr, (group_size + 1) / 2, x_sums, x_scales};
 }
 
+// X: the output's element (float, or bfloat16 as uint16_t).
 template <typename X>
-void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4,
+void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4, bool int8_dots,
              const std::optional<at::Tensor>& row_scales,
              const std::optional<at::Tensor>& groups, int64_t group_size,
              const std::optional<at::Tensor>& bias, at::Tensor& out, const Shape& shape) {
   using T = std::conditional_t<std::is_same_v<X, float>, float, c10::BFloat16>;
+  if (int8_dots) {
+    const QuantizedRows q = quantize_rows<T>(x, groups->size(1), group_size);
+    const Dequant dequant = dequant_of(row_scales, groups, group_size, q.sums.data_ptr<float>(),
+                                       q.scales.data_ptr<float>());
+    run_on<Int4Dots, X>(q.values, packed, dequant, bias, out, shape);
+    return;
+  }
   const std::vector<float> x_sums =
       groups ? group_sums<T>(x, groups->size(1), group_size) : std::vector<float>();
   const Dequant dequant = dequant_of(row_scales, groups, group_size, x_sums.data());
@@ -83,7 +93,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const std::optional<at::Tensor>& row_scales,
                             const std::optional<at::Tensor>& groups, int64_t group_size,
                             int64_t out_features, const std::optional<at::Tensor>& bias,
-                            int64_t sgemm_rows) {
+                            int64_t sgemm_rows, int64_t int8_rows) {
   using namespace packed_matmul;
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) &&
@@ -128,16 +138,20 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
   auto out = at::empty({m, out_features}, x.options());
   if (m == 0) return out;
   const at::Tensor even = k % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
+  const bool int8_dots = int4 && groups && m < int8_rows;
   if (dtype == at::kFloat)
-    run_for<float>(even, packed, int4, row_scales, groups, group_size, bias, out, shape);
+    run_for<float>(even, packed, int4, int8_dots, row_scales, groups, group_size, bias, out,
+                   shape);
   else
-    run_for<uint16_t>(even, packed, int4, row_scales, groups, group_size, bias, out, shape);
+    run_for<uint16_t>(even, packed, int4, int8_dots, row_scales, groups, group_size, bias, out,
+                      shape);
   return out;
 }
 #else
 at::Tensor quantized_matmul(const at::Tensor&, const at::Tensor&,
                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                            int64_t, int64_t, const std::optional<at::Tensor>&, int64_t) {
+                            int64_t, int64_t, const std::optional<at::Tensor>&, int64_t,
+                            int64_t) {
   TORCH_CHECK(false, "quantized_matmul: built for a CPU without AVX2 + FMA");
 }
 #endif

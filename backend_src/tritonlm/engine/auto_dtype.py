@@ -8,13 +8,17 @@ right dtype on every host it is moved to.
   AVX2 + FMA or AVX512, oneDNN's AMX or AVX512 one): a decode step reads half the bytes, and the
   kernels accumulate in float32. Elsewhere float32: PyTorch's generic bfloat16 matmul runs under
   1 GFLOPS.
+
+quantized_activations "auto" likewise: int8 inputs for 4-bit weights where tritonlm's CPU
+kernels are built without AVX512 (measured faster there: the float path widens each weight to
+float32; not yet measured on AVX512), else float.
 """
 import logging
 
 import torch
 
 from tritonlm.config import DTYPES
-from tritonlm.layers import cpu_gemm
+from tritonlm.layers import cpu_gemm, cpu_kernels
 
 logger = logging.getLogger(__name__)
 HALF_DTYPES = ("bfloat16", "float16")
@@ -44,3 +48,13 @@ def _choose(device: torch.device, stored: str | None) -> tuple[str, str]:
     if backend is None:
         return "float32", "this CPU has no packed bfloat16 matmul"
     return "bfloat16", f"bfloat16 weights multiplied by {backend}"
+
+
+def resolve_int8_activations(requested: str, device: torch.device) -> bool:
+    """Whether 4-bit weights multiply decode inputs quantized to int8 (quantized_activations)."""
+    if requested != "auto":
+        return requested == "int8"
+    kernels = cpu_kernels.load() if device.type == "cpu" else None
+    int8 = kernels is not None and kernels.vector_lanes == 8
+    logger.info("quantized_activations auto: %s", "int8 (AVX2 kernels)" if int8 else "float")
+    return int8

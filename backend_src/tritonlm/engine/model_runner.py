@@ -9,7 +9,7 @@ import torch
 from tritonlm.config import WEIGHTS_DIR, EngineConfig
 from tritonlm.distributed import parallel_state
 from tritonlm.distributed.ranks import RankGroup, join_process_group
-from tritonlm.engine.auto_dtype import resolve_dtype
+from tritonlm.engine.auto_dtype import resolve_dtype, resolve_int8_activations
 from tritonlm.engine.decode_graphs import DecodeGraphs, batch_buckets, program_buckets
 from tritonlm.engine.kv_cache_sizing import GIB, cuda_kv_cache_budget, profile_steps
 from tritonlm.engine.prompt_logprobs import prompt_logprobs
@@ -21,6 +21,7 @@ from tritonlm.layers.attention import (PagedAttention, PagedKernels, cache_block
                                        flash_attention_usable)
 from tritonlm.layers.attention_metadata import AttentionSpec
 from tritonlm.layers.kv_cache import KVCache
+from tritonlm.layers.quantization import QuantizedWeight
 from tritonlm.layers.sampler import sample
 from tritonlm.layers.token_counts import TokenCounts
 from tritonlm.models.loader import load_config, load_model
@@ -55,9 +56,12 @@ class ModelRunner:
         self.model = load_model(weights_dir, hf_config, self.dtype, self.device,
                                 config.max_model_len, tp.rank)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        int8_inputs = resolve_int8_activations(config.quantized_activations, self.device)
         for module in self.model.modules():
             if hasattr(module, "prepack_for_cpu"):
                 module.prepack_for_cpu(config.max_num_seqs)
+            if isinstance(module, QuantizedWeight):
+                module.int8_inputs = int8_inputs
         self.use_flash = (flash_attention_usable(self.device, self.dtype, self.block_size,
                                                  config.kv_cache_dtype)
                           and all(layer.position_bias is None or hasattr(layer.position_bias, "slopes")

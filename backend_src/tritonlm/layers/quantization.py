@@ -66,7 +66,9 @@ def uniform_group_size(g_idx: torch.Tensor, num_groups: int) -> int | None:
 
 class QuantizedWeight(nn.Module):
     """The quantized weight of one (parallel) linear layer; `shard` is that layer's
-    (dim, indices) of the full weight, so the storage is cut consistently."""
+    (dim, indices) of the full weight, so the storage is cut consistently. The model runner
+    sets `int8_inputs` before the first matmul (EngineConfig.quantized_activations)."""
+    int8_inputs = False
 
     def __init__(self, out_features: int, in_features: int, bits: int, num_groups: int,
                  has_biases: bool, shard: tuple[int, np.ndarray] | None):
@@ -103,7 +105,8 @@ class QuantizedWeight(nn.Module):
     def _choose_fused(self, dtype: torch.dtype) -> None:
         args = (self.qweight, self.scales, self.biases, self.g_idx)
         self.fused = (quantized_matmul.cuda_matmul(*args)
-                      or quantized_matmul.cpu_matmul(self.qweight, self.values, *args[1:], dtype))
+                      or quantized_matmul.cpu_matmul(self.qweight, self.values, *args[1:], dtype,
+                                                     self.int8_inputs))
         if getattr(self.fused, "owns_weight", False):
             empty = torch.empty(0)
             self.qweight, self.scales = nn.Parameter(empty.to(torch.uint8), False), None

@@ -4,7 +4,8 @@
   scale per output row, and int8 or 4 bits in groups of any even size (the last may be shorter;
   act-order columns sorted by group once, each input permuted alike). On 2 Zen 1 cores it ran
   SmolLM2's int8 matmul shapes 6-12x faster than torch's int8 kernel with float32 inputs,
-  1.3-1.5x with bfloat16 ones;
+  1.3-1.5x with bfloat16 ones. With `int8_inputs`, 4-bit groups multiply decode-sized inputs
+  (under INT8_ROWS rows) quantized to int8 per row and group with integer dot products (w4a8);
 - CPU otherwise: torch's int4 kernel (groups of 32-256, output rows a multiple of 16) or int8
   kernel (a scale per row), on the storage or a copy in its layout;
 - CUDA with OpenAI Triton installed: our Triton kernel (triton_quant_matmul.py), any layout.
@@ -20,15 +21,20 @@ from tritonlm.layers import cpu_gemm, cpu_kernels, triton_quant_matmul, triton_s
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 INT4_ROW_MULTIPLE = 16  # its packed layout holds output rows in tiles of 16
 INT4_OFFSET = 8  # torch's int4 kernel computes w = (q - 8) * scale + zero
+# Rows below which int8_inputs quantize x: decode batches, where the float path is bound by
+# widening weights (Zen 1, SmolLM2's 120 int4 matmuls: 1 row 11.0 -> 7.2 ms, 15 rows 96 -> 50);
+# prompts keep float inputs.
+INT8_ROWS = 16
 Matmul = Callable[[torch.Tensor], torch.Tensor]  # x [..., in] -> x @ W^T [..., out]
 
 
 def cpu_matmul(qweight: torch.Tensor, values: Callable[[], torch.Tensor], scales: torch.Tensor,
-               biases: torch.Tensor | None, g_idx: torch.Tensor, dtype: torch.dtype
-               ) -> Matmul | None:
+               biases: torch.Tensor | None, g_idx: torch.Tensor, dtype: torch.dtype,
+               int8_inputs: bool = False) -> Matmul | None:
     """A fused CPU matmul for inputs of `dtype`, or None when torch has none for this layout;
     `values()` gives the integer weight [out, in] unpacked. An `Int4Groups` holds its own copy
-    of the weight: the storage it was made from can go."""
+    of the weight: the storage it was made from can go. `int8_inputs`: 4-bit groups on our
+    kernel quantize decode-sized inputs to int8."""
     if qweight.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
     scales, biases, g_idx = _present_groups(scales, biases, g_idx)
@@ -36,7 +42,8 @@ def cpu_matmul(qweight: torch.Tensor, values: Callable[[], torch.Tensor], scales
     kernels = cpu_kernels.load()
     if (kernels is not None and kernels.has_bf16_matmul and dtype != torch.float16
             and group_size is not None and (scales.shape[1] == 1 or group_size % 2 == 0)):
-        return PairBlocks(values(), scales, biases, g_idx, group_size, kernels)
+        return PairBlocks(values(), scales, biases, g_idx, group_size, kernels,
+                          int8_rows=INT8_ROWS if int8_inputs else 0)
     if qweight.dtype == torch.int8:
         if scales.shape[1] != 1 or biases is not None:
             return None
@@ -86,13 +93,15 @@ class PairBlocks(nn.Module):
     """int8 or 4-bit values (`values` [out, in], 4 bits in 0..15) packed for our kernel: pairs of
     input features per block of 32 output features, as cpu_gemm packs bf16 weights (4 bits: a
     pair in one byte). Dequantized by one scale per output row (int8, no biases: applied to the
-    sums), else by a scale and a bias per output row and group, packed alike [blocks, G, 2, 32]."""
+    sums), else by a scale and a bias per output row and group, packed alike [blocks, G, 2, 32].
+    4-bit groups take inputs of fewer than `int8_rows` rows quantized to int8."""
     owns_weight = True  # a packed copy: the storage it was made from can go
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
-                 g_idx: torch.Tensor, group_size: int, kernels, sgemm_rows: int | None = None):
+                 g_idx: torch.Tensor, group_size: int, kernels, sgemm_rows: int | None = None,
+                 int8_rows: int = 0):
         super().__init__()
-        self.out_features, self.kernels = values.shape[0], kernels
+        self.out_features, self.kernels, self.int8_rows = values.shape[0], kernels, int8_rows
         # prompts: the weight dequantized once and run by float32 sgemm, where that is faster
         # than the kernel's tiles (measured on the bf16 tiles, which widen alike)
         self.sgemm_rows = (cpu_gemm.sgemm_rows_for_this_cpu(kernels, True) if sgemm_rows is None
@@ -123,7 +132,7 @@ class PairBlocks(nn.Module):
             flat = flat.contiguous()
         out = self.kernels.quantized_matmul(flat, self.packed, self.row_scales, self.groups,
                                             self.group_size, self.out_features, None,
-                                            self.sgemm_rows)
+                                            self.sgemm_rows, self.int8_rows)
         return out.view(*x.shape[:-1], -1)
 
 

@@ -1,0 +1,132 @@
+// 4-bit grouped weights times int8 inputs (w4a8) in the packed matmul's tiling (packed_matmul.h):
+// each row's inputs quantized per group of the weight (symmetric, a float scale each), then
+// vpmaddubsw multiplies a pair row's 0..15 values by the int8 feature pair and sums the pair in
+// int16, eight pair rows sum in int16 (8 x 2 x 15 x 127 < 2^15), and int32 sums hold the group.
+// A group adds x's scale * (float(sum) * the weight's scale + the weight's bias * x's integer
+// sum over the group): the float math on x rounded to int8. (Rounded x in the bias term too:
+// then x's rounding errors meet q * scale + bias, centred on zero, not q * scale alone; on int4
+// SmolLM2 the float sum there raised perplexity 8%, the rounded one 0.2%.) Widening 4 bits to
+// float32 costs about four instructions a weight row vector per two FMAs; here a 32-byte pair row
+// costs five integer instructions, then two multiply-adds per row (Zen 1: the float path is
+// compute-bound at batch 1, reading int4 at a quarter of its memory bandwidth).
+// The integer work is AVX2 on either build; only the conversion to the tile's float registers
+// differs in width.
+#pragma once
+#include "packed_matmul.h"
+
+#ifdef TRITONLM_PACKED_MATMUL
+
+namespace tritonlm {
+namespace packed_matmul {
+
+// Rows of x quantized for Int4Dots: int8 values [m, features], a scale per row and group, and
+// the rounded x's sum over each group.
+struct QuantizedRows {
+  at::Tensor values;  // int8, x's feature count (even)
+  at::Tensor scales;  // float32 [m, groups]
+  at::Tensor sums;    // float32 [m, groups]: scale * the group's integer sum
+};
+
+// x [m, k] (float or bfloat16, k even) quantized per group of `group_size` features.
+template <typename T>
+QuantizedRows quantize_rows(const at::Tensor& x, int64_t groups, int64_t group_size) {
+  const int64_t m = x.size(0), k = x.size(1);
+  QuantizedRows q{at::empty({m, k}, at::kChar), at::empty({m, groups}, at::kFloat),
+                  at::empty({m, groups}, at::kFloat)};
+  const T* xs = reinterpret_cast<const T*>(x.data_ptr());
+  int8_t* values = q.values.data_ptr<int8_t>();
+  float* scales = q.scales.data_ptr<float>();
+  float* sums = q.sums.data_ptr<float>();
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const T* in = xs + r * x.stride(0) + g * group_size;
+      int8_t* out = values + r * k + g * group_size;
+      const int64_t n = g + 1 < groups ? group_size : k - g * group_size;  // with the padding
+      Vec top(0.f);
+      int64_t i = 0;
+      for (; i + W <= n; i += W) top = at::vec::maximum(top, load_float(in + i).abs());
+      float absmax = at::vec::vec_reduce_all<float>(
+          [](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, top);
+      for (; i < n; ++i) absmax = std::max(absmax, std::abs(static_cast<float>(in[i])));
+      const float scale = absmax / 127.f, inverse = absmax > 0.f ? 127.f / absmax : 0.f;
+      int32_t sum = 0;
+      for (i = 0; i < n; ++i) {  // nearest even, as the float32 -> int32 conversion rounds
+        out[i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(in[i]) * inverse));
+        sum += out[i];
+      }
+      scales[r * groups + g] = scale;
+      sums[r * groups + g] = static_cast<float>(sum) * scale;
+    }
+  return q;
+}
+
+struct Int4Dots {
+  using X = int8_t;
+  using W = Int4Pair;
+  using Isa = Native;
+  using F = typename Isa::F;
+  static constexpr int V = kVecs<Isa>;
+  static constexpr bool kGroups = true;
+  static constexpr bool kPrewidens = false;
+  static constexpr bool kIntegerDots = true;
+  static constexpr int kRows = 4;  // 8 int16 sums + 2 weight registers + x's pair: 16 registers
+  static constexpr int64_t kPairsPerInt16 = 8;
+
+  static void group_params(const float* group, int v, F& scale, F& bias) {
+    scale = Isa::load(group + v * Isa::kLanes);
+    bias = Isa::load(group + kBlock + v * Isa::kLanes);
+  }
+
+  // sums[r] = x's scale for the group * sum over pairs [begin, end) of the 32 features' q * x;
+  // x points at row 0's feature pair `begin`; prefetch(p) asks for what pair row p's tile needs.
+  template <int R, typename Prefetch>
+  static void group_sums(F (&sums)[R][V], const Int4Pair* w, const int8_t* x, int64_t x_stride,
+                         const float* x_scales, int64_t x_scales_stride, int64_t begin,
+                         int64_t end, Prefetch prefetch) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    // int16 sums [r][0]: features 0-7 in the low 128 bits, 16-23 in the high; [r][1]: 8-15,
+    // 24-31 (vpunpck*bw interleave within 128-bit lanes); int32 sums [r]: 0-7, 8-15, 16-23, 24-31
+    __m256i wide[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) wide[r][c] = _mm256_setzero_si256();
+    for (int64_t p0 = begin; p0 < end; p0 += kPairsPerInt16) {
+      __m256i narrow[R][2];
+      for (int r = 0; r < R; ++r) narrow[r][0] = narrow[r][1] = _mm256_setzero_si256();
+      const int64_t stop = std::min(end, p0 + kPairsPerInt16);
+      for (int64_t p = p0; p < stop; ++p) {
+        prefetch(p);
+        const __m256i bytes =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p - begin) * kBlock));
+        const __m256i even = _mm256_and_si256(bytes, nibble);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+        const __m256i w0 = _mm256_unpacklo_epi8(even, odd), w1 = _mm256_unpackhi_epi8(even, odd);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          int16_t pair;
+          std::memcpy(&pair, x + r * x_stride + 2 * (p - begin), sizeof(pair));
+          const __m256i xs = _mm256_set1_epi16(pair);
+          narrow[r][0] = _mm256_add_epi16(narrow[r][0], _mm256_maddubs_epi16(w0, xs));
+          narrow[r][1] = _mm256_add_epi16(narrow[r][1], _mm256_maddubs_epi16(w1, xs));
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) {
+          wide[r][h] = _mm256_add_epi32(
+              wide[r][h], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(narrow[r][h])));
+          wide[r][2 + h] = _mm256_add_epi32(
+              wide[r][2 + h], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(narrow[r][h], 1)));
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+      F features[V];
+      Isa::int32_octets(wide[r], features);
+      const F scale = Isa::splat(x_scales[r * x_scales_stride]);
+      for (int v = 0; v < V; ++v) sums[r][v] = Isa::mul(features[v], scale);
+    }
+  }
+};
+
+}  // namespace packed_matmul
+}  // namespace tritonlm
+
+#endif
