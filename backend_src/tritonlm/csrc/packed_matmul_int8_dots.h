@@ -60,22 +60,12 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t groups, int64_t group_s
   return q;
 }
 
-struct Int4Dots {
-  using X = int8_t;
-  using W = Int4Pair;
-  using Isa = Native;
-  using F = typename Isa::F;
-  static constexpr int V = kVecs<Isa>;
-  static constexpr bool kGroups = true;
+// The grouped 4-bit WidenedFma's layout, group parameters and epilogue; its own group sums.
+struct Int4Dots : WidenedFma<Native, Int4Pair, true, int8_t> {
   static constexpr bool kPrewidens = false;
   static constexpr bool kIntegerDots = true;
   static constexpr int kRows = 4;  // 8 int16 sums + 2 weight registers + x's pair: 16 registers
   static constexpr int64_t kPairsPerInt16 = 8;
-
-  static void group_params(const float* group, int v, F& scale, F& bias) {
-    scale = Isa::load(group + v * Isa::kLanes);
-    bias = Isa::load(group + kBlock + v * Isa::kLanes);
-  }
 
   // sums[r] = x's scale for the group * sum over pairs [begin, end) of the 32 features' q * x;
   // x points at row 0's feature pair `begin`; prefetch(p) asks for what pair row p's tile needs.
