@@ -174,10 +174,17 @@ def test_two_ranks_generate_what_one_rank_does(quantized, method):
 
 def test_command_line_options_reach_the_repository(tmp_path, tiny_dir):
     main([str(tiny_dir), "--output", str(tmp_path), "--dtype", "float32", "--quantize", "int4", "--group-size", "16",
-          "--kv-cache-dtype", "int8"])
-    assert EngineConfig.load(tmp_path / "llm" / "1").kv_cache_dtype == "int8"
+          "--kv-cache-dtype", "int8", "--quantized-activations", "float"])
+    engine = EngineConfig.load(tmp_path / "llm" / "1")
+    assert engine.kv_cache_dtype == "int8" and engine.quantized_activations == "float"
     assert rank_file(tmp_path / "llm")["model.layers.0.mlp.down_proj.quantized.scales"].shape == (64, 8)
     assert 'string_value: "int4"' in (tmp_path / "llm" / "config.pbtxt").read_text()
+
+
+def test_unknown_quantized_activations_are_refused(tmp_path, tiny_dir):
+    with pytest.raises(ConversionError, match="quantized_activations must be one of"):
+        convert(str(tiny_dir), tmp_path, quantized_activations="int4")
+    assert not (tmp_path / "llm").exists()
 
 
 def test_calibration_quantizes_with_gptq(tmp_path, tiny_dir, monkeypatch):

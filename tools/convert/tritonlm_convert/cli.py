@@ -2,7 +2,7 @@
 import argparse
 import re
 
-from tritonlm.config import DTYPES, KV_CACHE_DTYPES
+from tritonlm.config import DTYPES, KV_CACHE_DTYPES, QUANTIZED_ACTIVATIONS
 
 from .convert import INSTANCE_KINDS, QUANTIZE_BITS, convert
 from .errors import ConversionError
@@ -45,6 +45,10 @@ def _parser() -> argparse.ArgumentParser:
                                    "instead of dequantizing them; other types are dequantized")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="KV cache dtype; auto: the model dtype, int8: 8-bit quantized (default: auto)")
+    parser.add_argument("--quantized-activations", choices=QUANTIZED_ACTIVATIONS, default="auto",
+                        help="CPU, 4-bit weights: multiply decode batches' inputs as float, or "
+                             "quantized to int8 (w4a8); auto: int8 where the kernels lack AVX512 "
+                             "(default: auto)")
     parser.add_argument("--kv-cache-memory", type=memory_size, metavar="SIZE",
                         help="CPU: memory for the KV cache per rank, e.g. 4GiB, 512MiB or bytes (default: 1GiB)")
     parser.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION",
@@ -77,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
                             tp=args.tp, quantize=args.quantize, group_size=args.group_size,
                             calibration=args.calibration, keep_quantized=args.keep_quantized,
                             kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
+                            quantized_activations=args.quantized_activations,
                             gpu_memory_utilization=args.gpu_memory_utilization)
     except (ConversionError, OSError) as e:
         parser.exit(1, f"{parser.prog}: error: {' '.join(str(e).split())}\n")

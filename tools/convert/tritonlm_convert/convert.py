@@ -142,7 +142,8 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
             tp: int = 1, quantize: str | None = None, group_size: int | None = None,
             calibration: str | Path | None = None, keep_quantized: bool = False,
             kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None,
-            gpu_memory_utilization: float | None = None) -> Path:
+            gpu_memory_utilization: float | None = None,
+            quantized_activations: str = "auto") -> Path:
     """Convert SRC into the Triton model directory OUTPUT/NAME and return its path."""
     if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*", name):
         raise ConversionError(f"model name {name!r} must be a plain directory name")
@@ -163,6 +164,7 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
              if value is not None}
     try:
         engine = EngineConfig(dtype=dtype, tensor_parallel_size=tp, kv_cache_dtype=kv_cache_dtype,
+                              quantized_activations=quantized_activations,
                               max_model_len=resolve_max_model_len(max_model_len, context_limit(resolved)),
                               **sized)
     except ValueError as error:
