@@ -4,8 +4,9 @@
   scale per output row, and int8 or 4 bits in groups of any even size (the last may be shorter;
   act-order columns sorted by group once, each input permuted alike). On 2 Zen 1 cores it ran
   SmolLM2's int8 matmul shapes 6-12x faster than torch's int8 kernel with float32 inputs,
-  1.3-1.5x with bfloat16 ones. With `int8_inputs`, 4-bit groups multiply decode-sized inputs
-  (under INT8_ROWS rows) quantized to int8 per row and group with integer dot products (w4a8);
+  1.3-1.5x with bfloat16 ones. With `int8_inputs`, 4-bit groups multiply inputs of under
+  INT8_ROWS rows (decode batches) quantized to int8 per row and group with integer dot products
+  (w4a8);
 - CPU otherwise: torch's int4 kernel (groups of 32-256, output rows a multiple of 16) or int8
   kernel (a scale per row), on the storage or a copy in its layout;
 - CUDA with OpenAI Triton installed: our Triton kernel (triton_quant_matmul.py), any layout.
@@ -21,10 +22,11 @@ from tritonlm.layers import cpu_gemm, cpu_kernels, triton_quant_matmul, triton_s
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 INT4_ROW_MULTIPLE = 16  # its packed layout holds output rows in tiles of 16
 INT4_OFFSET = 8  # torch's int4 kernel computes w = (q - 8) * scale + zero
-# Rows below which int8_inputs quantize x: decode batches, where the float path is bound by
-# widening weights (Zen 1, SmolLM2's 120 int4 matmuls: 1 row 11.0 -> 7.2 ms, 15 rows 96 -> 50);
-# prompts keep float inputs.
-INT8_ROWS = 16
+# Rows below which int8_inputs quantize x: decode batches up to the default max_num_seqs, where
+# the float tiles are bound by widening weights (Zen 1, SmolLM2's 120 int4 matmuls, float tiles
+# -> int8: 1 row 11.0 -> 7.2 ms, 15 rows 96 -> 50, 64 rows 275 -> 217, 256 rows 979 -> 769);
+# longer prompts keep float inputs.
+INT8_ROWS = 256
 Matmul = Callable[[torch.Tensor], torch.Tensor]  # x [..., in] -> x @ W^T [..., out]
 
 
