@@ -51,7 +51,8 @@ def _choose(device: torch.device, stored: str | None) -> tuple[str, str]:
 
 
 def resolve_int8_activations(requested: str, device: torch.device) -> bool:
-    """Whether 4-bit weights multiply decode inputs quantized to int8 (quantized_activations)."""
+    """Whether 4-bit weights multiply inputs quantized to int8 (quantized_activations; the CPU
+    kernel does it for inputs of under quantized_matmul.INT8_ROWS rows)."""
     if requested != "auto":
         return requested == "int8"
     kernels = cpu_kernels.load() if device.type == "cpu" else None
