@@ -56,12 +56,14 @@ class ModelRunner:
         self.model = load_model(weights_dir, hf_config, self.dtype, self.device,
                                 config.max_model_len, tp.rank)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
-        int8_inputs = resolve_int8_activations(config.quantized_activations, self.device)
+        quantized = [m for m in self.model.modules() if isinstance(m, QuantizedWeight)]
+        if quantized:  # settled (and logged) only for a model that has quantized weights
+            int8_inputs = resolve_int8_activations(config.quantized_activations, self.device)
+            for weight in quantized:
+                weight.int8_inputs = int8_inputs
         for module in self.model.modules():
             if hasattr(module, "prepack_for_cpu"):
                 module.prepack_for_cpu(config.max_num_seqs)
-            if isinstance(module, QuantizedWeight):
-                module.int8_inputs = int8_inputs
         self.use_flash = (flash_attention_usable(self.device, self.dtype, self.block_size,
                                                  config.kv_cache_dtype)
                           and all(layer.position_bias is None or hasattr(layer.position_bias, "slopes")
