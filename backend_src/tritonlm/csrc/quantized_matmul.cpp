@@ -8,7 +8,7 @@
 //   group) + bias * (x's sum over the group).
 // A prompt's row tiles share a block widened once (prewiden in packed_matmul.h), or, where the
 // caller measured float32 sgemm faster (sgemm_rows), the whole weight is dequantized once for it.
-// Below int8_rows rows, 4-bit groups multiply x quantized to int8 (packed_matmul_int8_dots.h).
+// Below int8_rows rows, grouped weights multiply x quantized to int8 (packed_matmul_int8_dots.h).
 #include "packed_matmul_int8_dots.h"
 #include "packed_matmul_tasks.h"
 
@@ -77,7 +77,10 @@ void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4, bool int8
     const QuantizedRows q = quantize_rows<T>(x, groups->size(1), group_size);
     const Dequant dequant = dequant_of(row_scales, groups, group_size, q.sums.data_ptr<float>(),
                                        q.scales.data_ptr<float>());
-    run_on<Int4Dots, X>(q.values, packed, dequant, bias, out, shape);
+    if (int4)
+      run_on<Int4Dots, X>(q.values, packed, dequant, bias, out, shape);
+    else
+      run_on<Int8Dots, X>(q.values, packed, dequant, bias, out, shape);
     return;
   }
   const std::vector<float> x_sums =
@@ -138,7 +141,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
   auto out = at::empty({m, out_features}, x.options());
   if (m == 0) return out;
   const at::Tensor even = k % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
-  const bool int8_dots = int4 && groups && m < int8_rows;
+  const bool int8_dots = groups && m < int8_rows;
   if (dtype == at::kFloat)
     run_for<float>(even, packed, int4, int8_dots, row_scales, groups, group_size, bias, out,
                    shape);

@@ -4,9 +4,9 @@
   scale per output row, and int8 or 4 bits in groups of any even size (the last may be shorter;
   act-order columns sorted by group once, each input permuted alike). On 2 Zen 1 cores it ran
   SmolLM2's int8 matmul shapes 6-12x faster than torch's int8 kernel with float32 inputs,
-  1.3-1.5x with bfloat16 ones. With `int8_inputs`, 4-bit groups multiply inputs of under
-  INT8_ROWS rows (decode batches) quantized to int8 per row and group with integer dot products
-  (w4a8);
+  1.3-1.5x with bfloat16 ones. With `int8_inputs`, inputs of under INT8_ROWS rows (decode
+  batches) are quantized to int8 per row and group and multiplied with integer dot products
+  (w4a8, w8a8);
 - CPU otherwise: torch's int4 kernel (groups of 32-256, output rows a multiple of 16) or int8
   kernel (a scale per row), on the storage or a copy in its layout;
 - CUDA with OpenAI Triton installed: our Triton kernel (triton_quant_matmul.py), any layout.
@@ -22,11 +22,15 @@ from tritonlm.layers import cpu_gemm, cpu_kernels, triton_quant_matmul, triton_s
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 INT4_ROW_MULTIPLE = 16  # its packed layout holds output rows in tiles of 16
 INT4_OFFSET = 8  # torch's int4 kernel computes w = (q - 8) * scale + zero
-# Rows below which int8_inputs quantize x: decode batches up to the default max_num_seqs, where
-# the float tiles are bound by widening weights (Zen 1, SmolLM2's 120 int4 matmuls, float tiles
-# -> int8: 1 row 11.0 -> 7.2 ms, 15 rows 96 -> 50, 64 rows 275 -> 217, 256 rows 979 -> 769);
-# longer prompts keep float inputs.
-INT8_ROWS = 256
+# Rows below which int8_inputs quantize x, by weight bits: 4 bits, decode batches up to the
+# default max_num_seqs, where the float tiles are bound by widening weights (Zen 1, SmolLM2's 120
+# int4 matmuls, float tiles -> int8: 1 row 11.0 -> 7.2 ms, 15 rows 96 -> 50, 64 rows 275 -> 217,
+# 256 rows 979 -> 769); 8 bits, where int8 dots won (1 row 15.2 -> 10.8 ms, 15 rows 99 -> 76,
+# 64 rows 317 -> 309; 128 rows 594 -> 606). Longer prompts keep float inputs.
+INT8_ROWS = {4: 256, 8: 64}
+# The groups int8 weights with a scale per row take for int8 inputs: x's scales follow its
+# values over 128 features, not the whole row.
+ROW_GROUP_SIZE = 128
 Matmul = Callable[[torch.Tensor], torch.Tensor]  # x [..., in] -> x @ W^T [..., out]
 
 
@@ -35,8 +39,8 @@ def cpu_matmul(qweight: torch.Tensor, values: Callable[[], torch.Tensor], scales
                int8_inputs: bool = False) -> Matmul | None:
     """A fused CPU matmul for inputs of `dtype`, or None when torch has none for this layout;
     `values()` gives the integer weight [out, in] unpacked. An `Int4Groups` holds its own copy
-    of the weight: the storage it was made from can go. `int8_inputs`: 4-bit groups on our
-    kernel quantize decode-sized inputs to int8."""
+    of the weight: the storage it was made from can go. `int8_inputs`: our kernel
+    quantizes decode-sized inputs to int8."""
     if qweight.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
     scales, biases, g_idx = _present_groups(scales, biases, g_idx)
@@ -45,7 +49,8 @@ def cpu_matmul(qweight: torch.Tensor, values: Callable[[], torch.Tensor], scales
     if (kernels is not None and kernels.has_bf16_matmul and dtype != torch.float16
             and group_size is not None and (scales.shape[1] == 1 or group_size % 2 == 0)):
         return PairBlocks(values(), scales, biases, g_idx, group_size, kernels,
-                          int8_rows=INT8_ROWS if int8_inputs else 0)
+                          int8_rows=INT8_ROWS[4 if qweight.dtype == torch.uint8 else 8]
+                          if int8_inputs else 0)
     if qweight.dtype == torch.int8:
         if scales.shape[1] != 1 or biases is not None:
             return None
@@ -96,7 +101,8 @@ class PairBlocks(nn.Module):
     input features per block of 32 output features, as cpu_gemm packs bf16 weights (4 bits: a
     pair in one byte). Dequantized by one scale per output row (int8, no biases: applied to the
     sums), else by a scale and a bias per output row and group, packed alike [blocks, G, 2, 32].
-    4-bit groups take inputs of fewer than `int8_rows` rows quantized to int8."""
+    Inputs of fewer than `int8_rows` rows are quantized to int8 (int8 rows then take the groups
+    of ROW_GROUP_SIZE their input is scaled by)."""
     owns_weight = True  # a packed copy: the storage it was made from can go
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
@@ -112,6 +118,9 @@ class PairBlocks(nn.Module):
         self.group_size = group_size
         four_bits = values.dtype == torch.uint8
         per_row = not four_bits and scales.shape[1] == 1 and biases is None
+        if per_row and int8_rows:  # int8 inputs are scaled per group: the row's scale in each
+            num_groups = -(-values.shape[1] // ROW_GROUP_SIZE)
+            scales, self.group_size, per_row = scales.expand(-1, num_groups), ROW_GROUP_SIZE, False
         packed = cpu_gemm.pack_pair_blocks(values)
         if four_bits:
             packed = packed[..., 0] | (packed[..., 1] << 4)
