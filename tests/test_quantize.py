@@ -35,8 +35,8 @@ def dequantized_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     """`X.weight` -> the weight the quantized storage `X.quantized.*` stands for."""
     weights = {}
     for base in {name.partition(".quantized.")[0] for name in tensors if ".quantized." in name}:
-        parent, _, part = base.rpartition(".")
-        g_idx = tensors[f"{parent}.{FIRST_PART.get(part, part)}.quantized.g_idx"]
+        parent, dot, part = base.rpartition(".")
+        g_idx = tensors[f"{parent}{dot}{FIRST_PART.get(part, part)}.quantized.g_idx"]
         weights[f"{base}.weight"] = dequantize(tensors[f"{base}.quantized.qweight"],
                                                tensors[f"{base}.quantized.scales"],
                                                tensors.get(f"{base}.quantized.biases"), g_idx, torch.float32)
@@ -134,13 +134,16 @@ def test_quantized_model_serves_what_transformers_does_with_its_dequantized_weig
     model_dir = quantized(method)
     tensors = rank_file(model_dir)
     weights = dequantized_weights(tensors)
-    assert sorted(weights) == sorted(f"model.layers.{i}.{part}.{name}.weight" for i in (0, 1)
-                                     for part, name in [*(("self_attn", n) for n in LINEAR[:4]),
-                                                        *(("mlp", n) for n in LINEAR[4:])])
+    assert sorted(weights) == sorted(["lm_head.weight"] + [
+        f"model.layers.{i}.{part}.{name}.weight" for i in (0, 1)
+        for part, name in [*(("self_attn", n) for n in LINEAR[:4]), *(("mlp", n) for n in LINEAR[4:])]])
     groups = {"int8": (1, 1), "int4": (2, 3)}[method]
     assert tensors["model.layers.0.self_attn.q_proj.quantized.scales"].shape == (64, groups[0])
     assert tensors["model.layers.0.mlp.down_proj.quantized.scales"].shape == (64, groups[1])
-    assert all(tensors[n].dtype == torch.float32 for n in ("lm_head.weight", "model.embed_tokens.weight"))
+    # the head in int8 with a scale per row, whatever the body's bits
+    assert tensors["lm_head.quantized.qweight"].dtype == torch.int8
+    assert tensors["lm_head.quantized.scales"].shape == (tensors["model.embed_tokens.weight"].shape[0], 1)
+    assert tensors["model.embed_tokens.weight"].dtype == torch.float32 and "lm_head.weight" not in tensors
     assert f'string_value: "{method}"' in (model_dir / "config.pbtxt").read_text()
     reference = _reference_with(tiny_dir, weights)
     prompts = random_prompts(3, reference.config.vocab_size)
@@ -154,6 +157,33 @@ def test_quantized_model_serves_what_transformers_does_with_its_dequantized_weig
         for step, entry in enumerate(out.logprobs):
             for top in entry["top_logprobs"]:
                 assert abs(top["logprob"] - expected[step, top["token_id"]].item()) < 1e-4
+
+
+def test_a_tied_head_is_quantized_beside_the_embedding(tmp_path, smollm2_tokenizer):
+    """A tied model's int8 head is a copy: the input side keeps the float embedding; transformers
+    runs it untied, with the dequantized head. --float-head keeps the head float (tied)."""
+    config = _tiny_llama(len(smollm2_tokenizer))
+    config.tie_word_embeddings = True
+    save_tiny(tmp_path / "hf", LlamaForCausalLM, config, smollm2_tokenizer)
+    model_dir = convert(str(tmp_path / "hf"), tmp_path / "int8", dtype="float32", quantize="int8")
+    tensors = rank_file(model_dir)
+    head = dequantized_weights(tensors)["lm_head.weight"]
+    embedding = tensors["model.embed_tokens.weight"]
+    assert tensors["lm_head.quantized.qweight"].dtype == torch.int8 and "lm_head.weight" not in tensors
+    assert 0 < (head - embedding).abs().max() <= embedding.abs().amax(1).max() / 254 + 1e-6
+    untied = tmp_path / "untied"
+    config.tie_word_embeddings = False
+    save_tiny(untied, LlamaForCausalLM, config, smollm2_tokenizer)
+    reference = _reference_with(untied, {**{name: tensor for name, tensor in tensors.items()
+                                            if ".quantized." not in name},
+                                         **dequantized_weights(tensors)})
+    prompts = random_prompts(2, config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = LLM(str(model_dir), block_size=8, quantized_activations="float").generate(prompts, params)
+    assert [out.token_ids for out in outputs] == [reference_greedy(reference, p, NEW_TOKENS) for p in prompts]
+    float_head = rank_file(convert(str(tmp_path / "hf"), tmp_path / "float", dtype="float32",
+                                   quantize="int8", float_head=True))
+    assert not any(name.startswith("lm_head") for name in float_head)
 
 
 @pytest.mark.parametrize("method", GROUPING)
@@ -201,7 +231,12 @@ def test_calibration_quantizes_with_gptq(tmp_path, tiny_dir, monkeypatch):
                         calibration=tmp_path / "calibration.txt")
     assert calls == [(tiny_dir, 4, 64, "some text")]
     state = AutoModelForCausalLM.from_pretrained(tiny_dir).state_dict()
-    for name, weight in dequantized_weights(rank_file(model_dir)).items():
+    weights = dequantized_weights(rank_file(model_dir))
+    # the head is not calibrated: int8 rounded to nearest
+    head = quantize_int8(state["lm_head.weight"])
+    assert torch.equal(weights.pop("lm_head.weight"),
+                       dequantize(head["qweight"], head["scales"], None, head["g_idx"], torch.float32))
+    for name, weight in weights.items():
         assert torch.equal(weight, dequantize(*quantize_int4(state[name] + 0.01, 64).values(), torch.float32))
     assert 'string_value: "gptq-int4"' in (model_dir / "config.pbtxt").read_text()
 
@@ -233,6 +268,7 @@ def test_bad_quantization_options_are_one_line_errors(tmp_path, tiny_dir, quanti
         "calibration alone": ([str(tiny_dir), "--calibration", str(tmp_path / "text")], "need --quantize"),
         "int8 groups": ([str(tiny_dir), "--quantize", "int8", "--group-size", "32"], "applies to int4"),
         "no groups": ([str(tiny_dir), "--quantize", "int4", "--group-size", "0"], "must be positive"),
+        "float head alone": ([str(tiny_dir), "--float-head"], "--float-head needs --quantize"),
     }
     for case, (args, message) in cases.items():
         with pytest.raises(SystemExit) as exit_info:

@@ -8,8 +8,9 @@ ENGINE_FILE = "engine.json"
 WEIGHTS_DIR = "weights"
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model dtype
-# What 4-bit weights multiply on CPU: the float inputs, or (decode batches, short prompts) the
-# inputs quantized to int8 (w4a8: faster where widening the weights bounds the float path);
+# What quantized weights multiply on CPU: the float inputs, or (decode batches, short prompts)
+# the inputs quantized to int8 (w4a8, w8a8: faster where widening the weights bounds the float
+# path);
 # auto: int8 on CPUs without AVX512 (engine/auto_dtype.py)
 QUANTIZED_ACTIVATIONS = ("auto", "float", "int8")
 

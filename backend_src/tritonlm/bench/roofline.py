@@ -51,7 +51,9 @@ def matmul_flops_per_token(model: nn.Module) -> tuple[int, int]:
     head = model.output_head()
     body = sum(m.in_features * m.out_features for m in model.modules()
                if isinstance(m, nn.Linear) and m is not head)
-    return 2 * body, 2 * head.weight.shape[0] * head.weight.shape[1]
+    head_size = (head.in_features * head.out_features if isinstance(head, nn.Linear)
+                 else head.weight.numel())  # the tied embedding
+    return 2 * body, 2 * head_size
 
 
 def workload_flops(roofline: dict, run: dict) -> dict:
@@ -69,7 +71,7 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     weights. An embedding table is read one row per token, unless the output head is that
     table (tied) and has no prepacked copy of its own, which reads it all."""
     packed_head = getattr(model, "packed_head", None)
-    tied_head = model.input_embeddings() if model.tie_word_embeddings else None
+    tied_head = model.output_head() if model.output_head() is model.input_embeddings() else None
     tensors = [packed_head.data] if packed_head is not None else []
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding) and (module is not tied_head

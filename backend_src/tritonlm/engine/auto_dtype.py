@@ -9,7 +9,7 @@ right dtype on every host it is moved to.
   kernels accumulate in float32. Elsewhere float32: PyTorch's generic bfloat16 matmul runs under
   1 GFLOPS.
 
-quantized_activations "auto" likewise: int8 inputs for 4-bit weights where tritonlm's CPU
+quantized_activations "auto" likewise: int8 inputs for quantized weights where tritonlm's CPU
 kernels are built without AVX512 (measured faster there: the float path widens each weight to
 float32; not yet measured on AVX512), else float.
 """
@@ -51,7 +51,7 @@ def _choose(device: torch.device, stored: str | None) -> tuple[str, str]:
 
 
 def resolve_int8_activations(requested: str, device: torch.device) -> bool:
-    """Whether 4-bit weights multiply inputs quantized to int8 (quantized_activations; the CPU
+    """Whether quantized weights multiply inputs quantized to int8 (quantized_activations; the CPU
     kernel does it for inputs of under quantized_matmul.INT8_ROWS rows)."""
     if requested != "auto":
         return requested == "int8"

@@ -144,6 +144,13 @@ class QKVParallelLinear(_ShardedLinear):
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, index)
 
 
+class ReplicatedLinear(_ShardedLinear):
+    """The whole weight on every rank (a quantized LM head)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__(in_features, out_features, bias, np.arange(out_features))
+
+
 class RowParallelLinear(_ShardedLinear):
     """Input features split evenly; outputs summed over ranks, then the bias added once."""
     shard_dim = 1

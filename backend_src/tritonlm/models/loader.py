@@ -31,8 +31,12 @@ def build_model(config, max_positions: int | None = None) -> nn.Module:
 
 def use_quantized_storage(model: nn.Module, found: Shapes) -> None:
     """Give every parallel linear layer whose checkpoint holds quantized tensors (see
-    layers/quantization.py) quantized storage of the bits and groups it was saved with."""
+    layers/quantization.py) quantized storage of the bits and groups it was saved with; the LM
+    head too, when the checkpoint holds it so."""
     packed = getattr(model, "packed_modules", {})
+    head = getattr(model, "head_name", None)
+    if hasattr(model, "use_quantized_head") and f"{head}.{QUANTIZED}.qweight" in found:
+        model.use_quantized_head()
     for path, module in list(model.named_modules()):
         if not hasattr(module, "use_quantized_weight"):
             continue

@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="shard the weights over N tensor-parallel ranks (default: 1)")
     parser.add_argument("--instance-kind", choices=INSTANCE_KINDS,
                         help="Triton instance kind (default: KIND_GPU when CUDA is available, else KIND_CPU)")
-    quantization = parser.add_argument_group("quantization (weight-only, of every linear layer but the LM head)")
+    quantization = parser.add_argument_group("quantization (weight-only, of every linear layer)")
     quantization.add_argument("--quantize", choices=QUANTIZE_BITS,
                               help="int8: one scale per output channel; int4: a scale and a zero point "
                                    "per group of input columns (rounded to nearest, or GPTQ with --calibration)")
@@ -43,11 +43,14 @@ def _parser() -> argparse.ArgumentParser:
     quantization.add_argument("--keep-quantized", action="store_true",
                               help="GGUF: keep Q8_0, Q4_0 and Q4_1 weights quantized (groups of 32) "
                                    "instead of dequantizing them; other types are dequantized")
+    quantization.add_argument("--float-head", action="store_true",
+                              help="keep the LM head in float (by default --quantize stores it as int8 "
+                                   "with a scale per output row, --keep-quantized as the file stores it)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="KV cache dtype; auto: the model dtype, int8: 8-bit quantized (default: auto)")
     parser.add_argument("--quantized-activations", choices=QUANTIZED_ACTIVATIONS, default="auto",
-                        help="CPU, 4-bit weights: multiply decode batches' inputs as float, or "
-                             "quantized to int8 (w4a8); auto: int8 where the kernels lack AVX512 "
+                        help="CPU, quantized weights: multiply decode batches' inputs as float, or "
+                             "quantized to int8 (w4a8, w8a8); auto: int8 where the kernels lack AVX512 "
                              "(default: auto)")
     parser.add_argument("--kv-cache-memory", type=memory_size, metavar="SIZE",
                         help="CPU: memory for the KV cache per rank, e.g. 4GiB, 512MiB or bytes (default: 1GiB)")
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
                             instance_kind=args.instance_kind, chat_template=args.chat_template,
                             tp=args.tp, quantize=args.quantize, group_size=args.group_size,
                             calibration=args.calibration, keep_quantized=args.keep_quantized,
+                            float_head=args.float_head,
                             kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
                             quantized_activations=args.quantized_activations,
                             gpu_memory_utilization=args.gpu_memory_utilization)

@@ -17,7 +17,8 @@ from .errors import ConversionError
 from .gguf_source import GGUFSource
 from .hf_config import canonical_config, resolve_config
 from .hf_source import HFSource, read_json
-from .quantize import DEFAULT_GROUP_SIZE, is_quantized, precomputed, quantizable_layers, round_to_nearest
+from .quantize import (DEFAULT_GROUP_SIZE, head_names, is_quantized, precomputed, quantizable_layers,
+                       round_to_nearest, with_int8_head)
 from .repository import write_model
 from .sources import Source
 
@@ -67,17 +68,28 @@ def open_source(src: str, trust_pickle: bool = False) -> Source:
 
 
 def quantize_source(source: Source, config: PretrainedConfig, quantize: str | None, group_size: int | None,
-                    calibration: str | Path | None, keep_quantized: bool) -> Source:
+                    calibration: str | Path | None, keep_quantized: bool, float_head: bool = False) -> Source:
     """The source with its linear weights quantized as asked: kept as a GGUF file stores them,
-    by GPTQ over a calibration text, or rounded to nearest."""
+    by GPTQ over a calibration text, or rounded to nearest; the LM head too (kept as the file
+    has it, or int8 rounded to nearest) unless `float_head`."""
     if keep_quantized and not isinstance(source, GGUFSource):
         raise ConversionError("--keep-quantized applies to GGUF files only")
+    if float_head and quantize is None and not keep_quantized:
+        raise ConversionError("--float-head needs --quantize or --keep-quantized")
     if quantize is None:
         if calibration is not None or group_size is not None:
             raise ConversionError("--calibration and --group-size need --quantize")
         if keep_quantized:
-            return source.keeping_quantized(quantizable_layers(config, source.tensor_shapes()))
+            shapes = source.tensor_shapes()
+            return source.keeping_quantized(quantizable_layers(config, shapes),
+                                            None if float_head else head_names(config, shapes))
         return source
+    body = _quantized_body(source, config, quantize, group_size, calibration, keep_quantized)
+    return body if float_head else with_int8_head(body, head_names(config, source.tensor_shapes()))
+
+
+def _quantized_body(source: Source, config: PretrainedConfig, quantize: str, group_size: int | None,
+                    calibration: str | Path | None, keep_quantized: bool) -> Source:
     if quantize not in QUANTIZE_BITS:
         raise ConversionError(f"--quantize must be one of {', '.join(QUANTIZE_BITS)}, got {quantize!r}")
     shapes = source.tensor_shapes()
@@ -141,7 +153,7 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
             instance_kind: str | None = None, chat_template: str | Path | None = None,
             tp: int = 1, quantize: str | None = None, group_size: int | None = None,
             calibration: str | Path | None = None, keep_quantized: bool = False,
-            kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None,
+            float_head: bool = False, kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None,
             gpu_memory_utilization: float | None = None,
             quantized_activations: str = "auto") -> Path:
     """Convert SRC into the Triton model directory OUTPUT/NAME and return its path."""
@@ -169,7 +181,7 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
                               **sized)
     except ValueError as error:
         raise ConversionError(str(error)) from error
-    source = quantize_source(source, resolved, quantize, group_size, calibration, keep_quantized)
+    source = quantize_source(source, resolved, quantize, group_size, calibration, keep_quantized, float_head)
     shards = select_tensors(resolved, source.tensor_shapes(), source.load, tp)
     config = canonical_config(resolved, stored_dtype)
     tokenizer = source.tokenizer()

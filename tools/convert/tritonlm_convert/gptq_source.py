@@ -10,18 +10,15 @@ They become `X.quantized.*` (layers/quantization.py: w = q * scale + bias), exac
 - 4 bits: q as stored (0..15), bias = -zero * scale.
 - 8 bits: our q is signed, so q - 128 is stored and bias = (128 - zero) * scale.
 Both are exact in float32 (q, zero < 2^9 times an fp16 scale), so the weights served equal the
-checkpoint's own dequantization. A quantized head (GPTQModel's lm_head=True) is dequantized,
-as the engine keeps heads float.
+checkpoint's own dequantization. A quantized head (GPTQModel's lm_head=True) stays quantized.
 """
 from pathlib import Path
 
 import torch
 from tritonlm.layers.quantization import QUANTIZED, pack_int4
-from tritonlm.models.registry import model_class
 
 from .architectures import Shapes
 from .errors import ConversionError
-from .hf_config import resolve_config
 from .hf_source import HFSource, read_json
 
 ZERO_OFFSETS = {"gptq": 1, "gptq_v2": 0}  # checkpoint format -> what is added to a stored zero
@@ -79,7 +76,6 @@ class GPTQSource(HFSource):
         self.quantization = f"gptq-int{self.bits}"
         # The files written are not in GPTQ layout, so transformers must not be told they are.
         self.raw_config = {k: v for k, v in self.raw_config.items() if k != "quantization_config"}
-        head = getattr(model_class(resolve_config(self.raw_config)), "head_name", "lm_head")
         stored = self._shapes
         self._exposed: Shapes = {}
         for name, shape in stored.items():
@@ -87,11 +83,11 @@ class GPTQSource(HFSource):
             if f"{module}.qweight" not in stored:
                 self._exposed[name] = shape
             elif leaf == "qweight":
-                self._expose_linear(module, stored, module == head)
+                self._expose_linear(module, stored)
             elif leaf not in GPTQ_TENSORS:  # the linear's float bias
                 self._exposed[name] = shape
 
-    def _expose_linear(self, module: str, stored: Shapes, dequantized: bool) -> None:
+    def _expose_linear(self, module: str, stored: Shapes) -> None:
         packed_in, out_features = stored[f"{module}.qweight"]
         in_features = packed_in * 32 // self.bits
         groups = stored[f"{module}.scales"][0]
@@ -99,9 +95,6 @@ class GPTQSource(HFSource):
                 or stored[f"{module}.scales"][1] != out_features \
                 or stored.get(f"{module}.g_idx", (in_features,)) != (in_features,):
             raise ConversionError(f"the GPTQ tensors of {module} have inconsistent shapes")
-        if dequantized:
-            self._exposed[f"{module}.weight"] = (out_features, in_features)
-            return
         quantized = f"{module}.{QUANTIZED}"
         self._exposed[f"{quantized}.qweight"] = (
             out_features, in_features // 2 if self.bits == 4 else in_features)
@@ -125,9 +118,6 @@ class GPTQSource(HFSource):
         module, quantized, leaf = name.partition(f".{QUANTIZED}.")
         if quantized:
             return self._quantized(module, leaf)
-        module, _, leaf = name.rpartition(".")
-        if leaf == "weight" and f"{module}.qweight" in self._shapes:
-            return self._dequantized(module)
         return super().load(name)
 
     def _values(self, module: str) -> torch.Tensor:
@@ -161,8 +151,3 @@ class GPTQSource(HFSource):
             return self._g_idx(module)
         zeros, scales = self._zeros_and_scales(module)
         return scales if leaf == "scales" else (shift - zeros) * scales
-
-    def _dequantized(self, module: str) -> torch.Tensor:
-        zeros, scales = self._zeros_and_scales(module)
-        groups = self._g_idx(module).long()
-        return (self._values(module).float() - zeros[:, groups]) * scales[:, groups]

@@ -1,6 +1,7 @@
 """Weight-only quantization at conversion time: which weights are quantizable, round-to-nearest
-int8 / int4, and the source wrapper that writes each quantized weight as the engine's storage
-(`X.quantized.*`, layers/quantization.py) in place of `X.weight`, one weight at a time."""
+int8 / int4, the LM head in int8, and the source wrapper that writes each quantized weight as the
+engine's storage (`X.quantized.*`, layers/quantization.py) in place of `X.weight`, one weight at
+a time."""
 from typing import Callable
 
 import torch
@@ -88,14 +89,17 @@ def layout_of(storage: Storage) -> Layout:
 
 class QuantizedSource(Source):
     """`inner` with each weight named in `layouts` (`X.weight`) replaced by its quantized storage
-    `X.quantized.<leaf>`, which `quantize(weight name)` produces when the weight is written."""
+    `X.quantized.<leaf>`, which `quantize(source tensor name)` produces when the weight is
+    written. `copies` names weights added as quantized copies of another tensor, which stays (a
+    tied LM head: lm_head.weight -> the embedding)."""
 
     def __init__(self, inner: Source, layouts: dict[str, Layout], quantize: Callable[[str], Storage],
-                 quantization: str):
+                 quantization: str, copies: dict[str, str] | None = None):
         self.inner, self.quantize, self.quantization = inner, quantize, quantization
         self.raw_config, self.stored_dtype = inner.raw_config, inner.stored_dtype
+        self.copies = copies or {}
         self._shapes, self._dtypes, self._leaves = {}, {}, {}
-        for name, shape in inner.tensor_shapes().items():
+        for name, shape in [*inner.tensor_shapes().items(), *((c, None) for c in self.copies)]:
             if name not in layouts:
                 self._shapes[name] = shape
                 continue
@@ -103,7 +107,7 @@ class QuantizedSource(Source):
             for leaf, (leaf_shape, dtype) in layouts[name].items():
                 stored = f"{base}.{QUANTIZED}.{leaf}"
                 self._shapes[stored], self._dtypes[stored] = leaf_shape, dtype
-                self._leaves[stored] = name, leaf
+                self._leaves[stored] = self.copies.get(name, name), leaf
         self._last: tuple[str, Storage] | None = None  # the leaves of a weight are written in a row
 
     def tensor_shapes(self) -> Shapes:
@@ -125,6 +129,31 @@ class QuantizedSource(Source):
 
     def generation_config(self) -> dict:
         return self.inner.generation_config()
+
+
+def head_names(config: PretrainedConfig, found: Shapes) -> tuple[str, str] | None:
+    """The LM head's weight as the converted checkpoint names it, and the source tensor holding
+    it (the embedding, when tied); None for a model whose head the engine holds in float only."""
+    model = build_model(config)
+    if not hasattr(model, "use_quantized_head"):
+        return None
+    try:
+        plan = checkpoint_plan(model, found)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    return f"{model.head_name}.weight", plan[model.head_parameter()][0]
+
+
+def with_int8_head(source: Source, names: tuple[str, str] | None) -> Source:
+    """`source` with its LM head (`names`: see head_names) stored as int8 with a scale per output
+    row (the float embedding stays for the input side when they are tied); as llama.cpp's 4-bit
+    files keep their output tensor at more bits than the body. A decode step reads it whole."""
+    if names is None:
+        return source
+    head, tensor = names
+    layout = rtn_layout(source.tensor_shapes()[tensor], 8, 0)
+    return QuantizedSource(source, {head: layout}, lambda name: quantize_int8(source.load(name)),
+                           source.quantization, copies={head: tensor} if head != tensor else None)
 
 
 def round_to_nearest(source: Source, weights: list[str], bits: int, group_size: int) -> QuantizedSource:
