@@ -101,8 +101,8 @@ class PairBlocks(nn.Module):
     input features per block of 32 output features, as cpu_gemm packs bf16 weights (4 bits: a
     pair in one byte). Dequantized by one scale per output row (int8, no biases: applied to the
     sums), else by a scale and a bias per output row and group, packed alike [blocks, G, 2, 32].
-    Inputs of fewer than `int8_rows` rows are quantized to int8 (int8 rows then take the groups
-    of ROW_GROUP_SIZE their input is scaled by)."""
+    Inputs of fewer than `int8_rows` rows are quantized to int8 (int8 rows then take groups of
+    ROW_GROUP_SIZE, each with the row's scale, that their input is scaled by)."""
     owns_weight = True  # a packed copy: the storage it was made from can go
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
@@ -118,22 +118,19 @@ class PairBlocks(nn.Module):
         self.group_size = group_size
         four_bits = values.dtype == torch.uint8
         per_row = not four_bits and scales.shape[1] == 1 and biases is None
-        if per_row and int8_rows:  # int8 inputs are scaled per group: the row's scale in each
-            num_groups = -(-values.shape[1] // ROW_GROUP_SIZE)
-            scales, self.group_size, per_row = scales.expand(-1, num_groups), ROW_GROUP_SIZE, False
         packed = cpu_gemm.pack_pair_blocks(values)
         if four_bits:
             packed = packed[..., 0] | (packed[..., 1] << 4)
         self.register_buffer("packed", packed.contiguous())
+        for name in ("row_scales", "groups", "row_groups"):
+            self.register_buffer(name, None)
         if per_row:
-            self.register_buffer("row_scales", scales[:, 0].float().contiguous())
-            self.groups = None
+            self.row_scales = scales[:, 0].float().contiguous()
+            if int8_rows:  # int8 inputs are scaled per group: the row's scale in each
+                num_groups = -(-values.shape[1] // ROW_GROUP_SIZE)
+                self.row_groups = _packed_groups(scales.expand(-1, num_groups), None)
         else:
-            params = torch.stack((scales, torch.zeros_like(scales) if biases is None else biases),
-                                 dim=-1).float()  # [out, G, 2]
-            blocked = cpu_gemm.pack_block_features(params)  # [blocks, 32, G, 2]
-            self.register_buffer("groups", blocked.permute(0, 2, 3, 1).contiguous())
-            self.row_scales = None
+            self.groups = _packed_groups(scales, biases)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -141,10 +138,21 @@ class PairBlocks(nn.Module):
             flat = flat.index_select(1, self.order)
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
-        out = self.kernels.quantized_matmul(flat, self.packed, self.row_scales, self.groups,
-                                            self.group_size, self.out_features, None,
-                                            self.sgemm_rows, self.int8_rows)
+        row_scales, groups, group_size = self.row_scales, self.groups, self.group_size
+        if self.row_groups is not None and flat.shape[0] < self.int8_rows:
+            row_scales, groups, group_size = None, self.row_groups, ROW_GROUP_SIZE
+        out = self.kernels.quantized_matmul(flat, self.packed, row_scales, groups, group_size,
+                                            self.out_features, None, self.sgemm_rows,
+                                            self.int8_rows)
         return out.view(*x.shape[:-1], -1)
+
+
+def _packed_groups(scales: torch.Tensor, biases: torch.Tensor | None) -> torch.Tensor:
+    """[out, G] scales and biases (None: zeros) as the kernel reads them: [blocks, G, 2, 32]."""
+    params = torch.stack((scales, torch.zeros_like(scales) if biases is None else biases),
+                         dim=-1).float()  # [out, G, 2]
+    blocked = cpu_gemm.pack_block_features(params)  # [blocks, 32, G, 2]
+    return blocked.permute(0, 2, 3, 1).contiguous()
 
 
 def _sorted_by_group(values: torch.Tensor, g_idx: torch.Tensor

@@ -36,7 +36,8 @@ def use_quantized_storage(model: nn.Module, found: Shapes) -> None:
     packed = getattr(model, "packed_modules", {})
     head = getattr(model, "head_name", None)
     if hasattr(model, "use_quantized_head") and f"{head}.{QUANTIZED}.qweight" in found:
-        model.use_quantized_head()
+        with torch.device("meta"):
+            model.use_quantized_head()
     for path, module in list(model.named_modules()):
         if not hasattr(module, "use_quantized_weight"):
             continue
