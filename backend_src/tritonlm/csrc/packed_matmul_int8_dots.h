@@ -60,6 +60,19 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t groups, int64_t group_s
   return q;
 }
 
+// A tile's int32 sums of features 0-7, 8-15, 16-23, 24-31 per row, as float32 times the row's
+// x scale.
+template <typename I, int R>
+void scaled_sums(const __m256i (&wide)[R][4], const float* x_scales, int64_t x_scales_stride,
+                 typename I::F (&sums)[R][kVecs<I>]) {
+  for (int r = 0; r < R; ++r) {
+    typename I::F features[kVecs<I>];
+    I::int32_octets(wide[r], features);
+    const typename I::F scale = I::splat(x_scales[r * x_scales_stride]);
+    for (int v = 0; v < kVecs<I>; ++v) sums[r][v] = I::mul(features[v], scale);
+  }
+}
+
 // The grouped 4-bit WidenedFma's layout, group parameters and epilogue; its own group sums.
 struct Int4Dots : WidenedFma<Native, Int4Pair, true, int8_t> {
   static constexpr bool kPrewidens = false;
@@ -107,12 +120,7 @@ struct Int4Dots : WidenedFma<Native, Int4Pair, true, int8_t> {
               wide[r][2 + h], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(narrow[r][h], 1)));
         }
     }
-    for (int r = 0; r < R; ++r) {
-      F features[V];
-      Isa::int32_octets(wide[r], features);
-      const F scale = Isa::splat(x_scales[r * x_scales_stride]);
-      for (int v = 0; v < V; ++v) sums[r][v] = Isa::mul(features[v], scale);
-    }
+    scaled_sums<Isa>(wide, x_scales, x_scales_stride, sums);
   }
 };
 
@@ -149,12 +157,7 @@ struct Int8Dots : WidenedFma<Native, int8_t, true, int8_t> {
           wide[r][c] = _mm256_add_epi32(wide[r][c], _mm256_madd_epi16(pairs, xs[r]));
       }
     }
-    for (int r = 0; r < R; ++r) {
-      F features[V];
-      Isa::int32_octets(wide[r], features);
-      const F scale = Isa::splat(x_scales[r * x_scales_stride]);
-      for (int v = 0; v < V; ++v) sums[r][v] = Isa::mul(features[v], scale);
-    }
+    scaled_sums<Isa>(wide, x_scales, x_scales_stride, sums);
   }
 };
 
