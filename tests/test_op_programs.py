@@ -7,13 +7,14 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from family_check import assert_matches_transformers, random_prompts, reference_greedy
 from tritonlm import SamplingParams
 from tritonlm.engine import decode_graphs
 from tritonlm.engine.op_programs import ProgramRecorder, RecordingRefused
-from tritonlm.layers import cpu_kernels
+from tritonlm.layers import cpu_gemm, cpu_kernels
 from tritonlm.layers.rotary import RotaryEmbedding
 
 KERNELS = cpu_kernels.load()
@@ -68,6 +69,23 @@ def test_replay_redoes_the_step_on_new_inputs():
         assert torch.equal(out, expected)
         for name in state:
             assert torch.equal(state[name], expected_state[name]), name
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="needs oneDNN's bfloat16 matmul")
+@torch.inference_mode()
+def test_onednn_weights_replay():
+    """oneDNN's prepacked weight (cpu_gemm.OneDnnWeight: AMX hosts' bf16 matmul) is an opaque
+    tensor without a storage; a step multiplying by it records and replays like any other."""
+    weight = torch.randn(96, 64).bfloat16()
+    packed = cpu_gemm.OneDnnWeight(weight, 4)
+    x = torch.randn(3, 64).bfloat16()
+    program = KERNELS.OpProgram()
+    with ProgramRecorder(program):
+        out = packed.matmul(x, None).mul(2)
+    x.copy_(torch.randn(3, 64).bfloat16())
+    program.replay()
+    assert torch.equal(out, F.linear(x, weight).mul(2))
 
 
 @torch.inference_mode()

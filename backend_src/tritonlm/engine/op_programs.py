@@ -22,7 +22,10 @@ _ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty
 
 
 def _storages(values) -> set[int]:
-    return {v.untyped_storage().data_ptr() for v in values if isinstance(v, torch.Tensor)}
+    """The storages of `values`' tensors; oneDNN's opaque weights (cpu_gemm.OneDnnWeight) have
+    none, and are only ever inputs."""
+    return {v.untyped_storage().data_ptr() for v in values
+            if isinstance(v, torch.Tensor) and not v.is_mkldnn}
 
 
 def _value_dependent(func, args) -> bool:
@@ -62,7 +65,7 @@ class ProgramRecorder(TorchDispatchMode):
         if func._schema.returns and not isinstance(out, (tuple, torch.Tensor)):
             raise RecordingRefused(f"{func} returns {type(out).__name__}")
         for r in results:
-            storage = isinstance(r, torch.Tensor) and r.untyped_storage()
+            storage = isinstance(r, torch.Tensor) and not r.is_mkldnn and r.untyped_storage()
             if storage and storage.data_ptr() not in inputs | self._storages:
                 self._storages.add(storage.data_ptr())
                 self.result_bytes += storage.nbytes()

@@ -7,10 +7,12 @@
   products). Measured on Zen 4: 1.8-2x oneDNN at 1-4 rows, 1.2-1.3x at 32 (decode), equal at
   prompt sizes. Where its tiles widen as they go, a prompt's matmul may run faster as float32
   sgemm on the weight widened once (sgemm_rows_for_this_cpu measures it);
-- the same kernel's AVX2 build (widened FMAs in 8 lanes) on CPUs without AVX512, where oneDNN
-  has no bf16 matmul and PyTorch's runs under 1 GFLOPS;
+- the same kernel's widened FMAs on AVX512 CPUs without AVX512-BF16, where oneDNN emulates bf16
+  (Cascade Lake, SmolLM2's matmuls: 1.3x oneDNN at 1 row, 2.2-2.6x at 16-32, 2.2x at 512), and
+  its AVX2 build (8 lanes) on CPUs without AVX512, where oneDNN has no bf16 matmul and PyTorch's
+  runs under 1 GFLOPS;
 - oneDNN's blocked layout elsewhere: AMX tiles, which an AVX512 kernel cannot match on prompts,
-  bf16 emulated on plain AVX512 (not measured against our FMAs), or no built kernels.
+  or no built kernels.
 
 float32 keeps F.linear (MKL), which is as fast as either.
 """
@@ -179,8 +181,7 @@ def bf16_matmul_backend() -> str | None:
     if kernels is not None and not amx:
         if kernels.has_bf16_dot_products:
             return "tritonlm's packed matmul (AVX512-BF16)"
-        if kernels.vector_lanes == 8:
-            return "tritonlm's packed matmul (AVX2 + FMA)"
+        return f"tritonlm's packed matmul ({'AVX2' if kernels.vector_lanes == 8 else 'AVX512'} + FMA)"
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "oneDNN (AMX)" if amx else "oneDNN"
     return None
