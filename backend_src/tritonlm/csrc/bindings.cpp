@@ -37,6 +37,7 @@ double bf16_dot_product_speedup();
 void bind_op_program(pybind11::module_& m);  // op_program.cpp
 bool has_bf16_matmul();
 bool has_bf16_dot_products();
+bool has_vnni_dot_products();
 }  // namespace tritonlm
 
 
@@ -113,5 +114,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("has_bf16_matmul") = has_bf16_matmul();
   m.attr("vector_lanes") = vector_lanes();
   m.attr("has_bf16_dot_products") = has_bf16_dot_products();
+  m.attr("has_vnni_dot_products") = has_vnni_dot_products();  // int8 inputs: AVX512-VNNI
   bind_op_program(m);
 }

@@ -10,7 +10,8 @@
 // costs five integer instructions, then two multiply-adds per row (Zen 1: the float path is
 // compute-bound at batch 1, reading int4 at a quarter of its memory bandwidth).
 // The integer work is AVX2 on either build; only the conversion to the tile's float registers
-// differs in width.
+// differs in width. CPUs with AVX512-VNNI take Int4Vnni and Int8Vnni instead (Int4Integer and
+// Int8Integer name what this build uses).
 #pragma once
 #include "packed_matmul.h"
 
@@ -160,6 +161,107 @@ struct Int8Dots : WidenedFma<Native, int8_t, true, int8_t> {
     scaled_sums<Isa>(wide, x_scales, x_scales_stride, sums);
   }
 };
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__)
+// A tile's int32 sums of features 0-15 and 16-31 per row, as float32 times the row's x scale.
+template <int R>
+void scaled_sums(const __m512i (&wide)[R][2], const float* x_scales, int64_t x_scales_stride,
+                 __m512 (&sums)[R][2]) {
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 2; ++v)
+      sums[r][v] = _mm512_mul_ps(_mm512_cvtepi32_ps(wide[r][v]),
+                                 _mm512_set1_ps(x_scales[r * x_scales_stride]));
+}
+
+// Int4Dots with AVX512-VNNI's vpdpbusd: four 0..15 values of a feature times x's four int8
+// values, summed into the feature's int32 lane, 64 products an instruction. Two pair rows make
+// the four values: each byte zero-extended into a lane, the next pair row's 16 bits up, nibbles
+// split into bytes. Per row, two instructions per two pair rows against Int4Dots' eight.
+struct Int4Vnni : WidenedFma<Avx512, Int4Pair, true, int8_t> {
+  static constexpr bool kPrewidens = false;
+  static constexpr bool kIntegerDots = true;
+  static constexpr int kRows = 6;  // 12 int32 sums beside the tile's 12 accumulators
+
+  // 16 features' bytes of pair rows p and p+1 (null: none) as each feature's four values.
+  static __m512i quads(const uint8_t* first, const uint8_t* second) {
+    const auto bytes = [](const uint8_t* b) {
+      return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+    };
+    __m512i lanes = bytes(first);
+    if (second) lanes = _mm512_or_si512(lanes, _mm512_slli_epi32(bytes(second), 16));
+    return _mm512_and_si512(_mm512_or_si512(lanes, _mm512_slli_epi32(lanes, 4)),
+                            _mm512_set1_epi8(0x0F));
+  }
+
+  template <int R, typename Prefetch>
+  static void group_sums(F (&sums)[R][V], const Int4Pair* w, const int8_t* x, int64_t x_stride,
+                         const float* x_scales, int64_t x_scales_stride, int64_t begin,
+                         int64_t end, Prefetch prefetch) {
+    __m512i wide[R][2];  // int32 sums of features 0-15, 16-31
+    for (int r = 0; r < R; ++r) wide[r][0] = wide[r][1] = _mm512_setzero_si512();
+    // pair rows p and p + 1, or p alone (`two` false: x's next two values may not exist)
+    auto add = [&](int64_t p, bool two) __attribute__((always_inline)) {
+      prefetch(p);
+      if (two) prefetch(p + 1);
+      const auto* row = reinterpret_cast<const uint8_t*>(w + (p - begin) * kBlock);
+      const __m512i low = quads(row, two ? row + kBlock : nullptr);
+      const __m512i high = quads(row + 16, two ? row + kBlock + 16 : nullptr);
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        int32_t values = 0;
+        std::memcpy(&values, x + r * x_stride + 2 * (p - begin), two ? 4 : 2);
+        const __m512i xs = _mm512_set1_epi32(values);
+        wide[r][0] = _mm512_dpbusd_epi32(wide[r][0], low, xs);
+        wide[r][1] = _mm512_dpbusd_epi32(wide[r][1], high, xs);
+      }
+    };
+    int64_t p = begin;
+    for (; p + 1 < end; p += 2) add(p, true);
+    if (p < end) add(p, false);
+    scaled_sums(wide, x_scales, x_scales_stride, sums);
+  }
+};
+
+// Int8Dots with AVX512-VNNI's vpdpwssd: a pair row sign-extended to int16 in two registers,
+// then per row one multiply-add of x's pair into the int32 sums per 16 features.
+struct Int8Vnni : WidenedFma<Avx512, int8_t, true, int8_t> {
+  static constexpr bool kPrewidens = false;
+  static constexpr bool kIntegerDots = true;
+  static constexpr int kRows = 6;
+
+  template <int R, typename Prefetch>
+  static void group_sums(F (&sums)[R][V], const int8_t* w, const int8_t* x, int64_t x_stride,
+                         const float* x_scales, int64_t x_scales_stride, int64_t begin,
+                         int64_t end, Prefetch prefetch) {
+    __m512i wide[R][2];
+    for (int r = 0; r < R; ++r) wide[r][0] = wide[r][1] = _mm512_setzero_si512();
+    for (int64_t p = begin; p < end; ++p) {
+      prefetch(p);
+      const int8_t* row = w + (p - begin) * kPairElems<int8_t>;
+      const __m512i low = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+      const __m512i high = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + kBlock)));
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const int8_t* pair = x + r * x_stride + 2 * (p - begin);
+        const __m512i xs = _mm512_set1_epi32(static_cast<uint16_t>(int16_t{pair[0]}) |
+                                             (static_cast<uint32_t>(int32_t{pair[1]}) << 16));
+        wide[r][0] = _mm512_dpwssd_epi32(wide[r][0], low, xs);
+        wide[r][1] = _mm512_dpwssd_epi32(wide[r][1], high, xs);
+      }
+    }
+    scaled_sums(wide, x_scales, x_scales_stride, sums);
+  }
+};
+using Int4Integer = Int4Vnni;
+using Int8Integer = Int8Vnni;
+constexpr bool kVnniDots = true;
+#else
+using Int4Integer = Int4Dots;
+using Int8Integer = Int8Dots;
+constexpr bool kVnniDots = false;
+#endif
 
 }  // namespace packed_matmul
 }  // namespace tritonlm

@@ -78,9 +78,9 @@ void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4, bool int8
     const Dequant dequant = dequant_of(row_scales, groups, group_size, q.sums.data_ptr<float>(),
                                        q.scales.data_ptr<float>());
     if (int4)
-      run_on<Int4Dots, X>(q.values, packed, dequant, bias, out, shape);
+      run_on<Int4Integer, X>(q.values, packed, dequant, bias, out, shape);
     else
-      run_on<Int8Dots, X>(q.values, packed, dequant, bias, out, shape);
+      run_on<Int8Integer, X>(q.values, packed, dequant, bias, out, shape);
     return;
   }
   const std::vector<float> x_sums =
@@ -128,7 +128,9 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                         bias->numel() == out_features),
               "quantized_matmul: bias must be ", out_features, " contiguous values of x's dtype");
   const Shape shape{m, out_features, out_features, kBlock / 2, blocks, false};
-  if (sgemm_rows > 0 && m >= sgemm_rows) {  // prompts: the weight dequantized once, sgemm
+  const bool int8_dots = groups && m < int8_rows;
+  // prompts on float inputs: the weight dequantized once, sgemm
+  if (!int8_dots && sgemm_rows > 0 && m >= sgemm_rows) {
     at::Tensor dense;
     with_layout<float>(int4, groups.has_value(), [&](auto type) {
       using Mul = typename decltype(type)::type;
@@ -141,7 +143,6 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
   auto out = at::empty({m, out_features}, x.options());
   if (m == 0) return out;
   const at::Tensor even = k % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
-  const bool int8_dots = groups && m < int8_rows;
   if (dtype == at::kFloat)
     run_for<float>(even, packed, int4, int8_dots, row_scales, groups, group_size, bias, out,
                    shape);
@@ -150,6 +151,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                       shape);
   return out;
 }
+bool has_vnni_dot_products() { return packed_matmul::kVnniDots; }
 #else
 at::Tensor quantized_matmul(const at::Tensor&, const at::Tensor&,
                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
@@ -157,6 +159,7 @@ at::Tensor quantized_matmul(const at::Tensor&, const at::Tensor&,
                             int64_t) {
   TORCH_CHECK(false, "quantized_matmul: built for a CPU without AVX2 + FMA");
 }
+bool has_vnni_dot_products() { return false; }
 #endif
 
 }  // namespace tritonlm

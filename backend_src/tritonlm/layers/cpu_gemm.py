@@ -181,7 +181,8 @@ def bf16_matmul_backend() -> str | None:
     if kernels is not None and not amx:
         if kernels.has_bf16_dot_products:
             return "tritonlm's packed matmul (AVX512-BF16)"
-        return f"tritonlm's packed matmul ({'AVX2' if kernels.vector_lanes == 8 else 'AVX512'} + FMA)"
+        width = "AVX2" if kernels.vector_lanes == 8 else "AVX512"
+        return f"tritonlm's packed matmul ({width} + FMA)"
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "oneDNN (AMX)" if amx else "oneDNN"
     return None

@@ -12,7 +12,8 @@ releases when a builder dies (cpp_extension's own lock file would then be left b
 every later build wait forever; a stale one is removed under the flock).
 TRITONLM_CPU_KERNELS=0 turns the kernels off (`load` returns None): the PyTorch paths run.
 TRITONLM_CPU_AVX512=0 builds them without AVX512 (`vector_lanes` 8, the AVX2 + FMA variants), so
-a host with AVX512 can run what a host without it runs.
+a host with AVX512 can run what a host without it runs; TRITONLM_CPU_VNNI=0 likewise without
+AVX512-VNNI (`has_vnni_dot_products` False: int8 inputs multiplied in AVX2's integer width).
 """
 import fcntl
 import functools
@@ -34,7 +35,8 @@ HEADERS = sorted(CSRC.glob("*.h"))
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # No FMA contraction: element-wise ops round each product, as the PyTorch ops they replace do.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off",
-          *(["-mno-avx512f"] if os.environ.get("TRITONLM_CPU_AVX512", "1") == "0" else [])]
+          *(["-mno-avx512f"] if os.environ.get("TRITONLM_CPU_AVX512", "1") == "0" else []),
+          *(["-mno-avx512vnni"] if os.environ.get("TRITONLM_CPU_VNNI", "1") == "0" else [])]
 LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}

@@ -4,9 +4,9 @@
   scale per output row, and int8 or 4 bits in groups of any even size (the last may be shorter;
   act-order columns sorted by group once, each input permuted alike). On 2 Zen 1 cores it ran
   SmolLM2's int8 matmul shapes 6-12x faster than torch's int8 kernel with float32 inputs,
-  1.3-1.5x with bfloat16 ones. With `int8_inputs`, inputs of under INT8_ROWS rows (decode
-  batches) are quantized to int8 per row and group and multiplied with integer dot products
-  (w4a8, w8a8);
+  1.3-1.5x with bfloat16 ones. With `int8_inputs`, inputs of under `int8_rows` rows (decode
+  batches; with AVX512-VNNI, every 4-bit matmul) are quantized to int8 per row and group and
+  multiplied with integer dot products (w4a8, w8a8);
 - CPU otherwise: torch's int4 kernel (groups of 32-256, output rows a multiple of 16) or int8
   kernel (a scale per row), on the storage or a copy in its layout;
 - CUDA with OpenAI Triton installed: our Triton kernel (triton_quant_matmul.py), any layout.
@@ -26,8 +26,14 @@ INT4_OFFSET = 8  # torch's int4 kernel computes w = (q - 8) * scale + zero
 # default max_num_seqs, where the float tiles are bound by widening weights (Zen 1, SmolLM2's 120
 # int4 matmuls, float tiles -> int8: 1 row 11.0 -> 7.2 ms, 15 rows 96 -> 50, 64 rows 275 -> 217,
 # 256 rows 979 -> 769); 8 bits, where int8 dots won (1 row 15.2 -> 10.8 ms, 15 rows 99 -> 76,
-# 64 rows 317 -> 309; 128 rows 594 -> 606). Longer prompts keep float inputs.
+# 64 rows 317 -> 309; 128 rows 594 -> 606). Longer prompts keep float inputs. These are the AVX2
+# integer dots' limits (on AVX512 builds without VNNI too).
 INT8_ROWS = {4: 256, 8: 64}
+# With AVX512-VNNI, 4-bit weights' vpdpbusd dots beat the float tiles and sgemm at every row count
+# (2 Cascade Lake vCPUs, SmolLM2's 120 int4 matmuls, float -> int8 inputs: 1 row 8.2 -> 6.6 ms,
+# 32 rows 80 -> 38, 255 rows 497 -> 232, 512 rows (sgemm) 704 -> 484, 1024 rows 1200 -> 926);
+# int8 weights' vpdpwssd dots about equal the float tiles (0.95-1.15x from 1 to 255 rows).
+VNNI_INT8_ROWS = {4: 1 << 62, 8: 64}
 # The groups int8 weights with a scale per row take for int8 inputs: x's scales follow its
 # values over 128 features, not the whole row.
 ROW_GROUP_SIZE = 128
@@ -49,7 +55,7 @@ def cpu_matmul(qweight: torch.Tensor, values: Callable[[], torch.Tensor], scales
     if (kernels is not None and kernels.has_bf16_matmul and dtype != torch.float16
             and group_size is not None and (scales.shape[1] == 1 or group_size % 2 == 0)):
         return PairBlocks(values(), scales, biases, g_idx, group_size, kernels,
-                          int8_rows=INT8_ROWS[4 if qweight.dtype == torch.uint8 else 8]
+                          int8_rows=int8_rows(kernels, 4 if qweight.dtype == torch.uint8 else 8)
                           if int8_inputs else 0)
     if qweight.dtype == torch.int8:
         if scales.shape[1] != 1 or biases is not None:
@@ -65,6 +71,11 @@ def cuda_matmul(qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tenso
     if qweight.device.type != "cuda" or not triton_support.available(qweight.device):
         return None
     return lambda x: triton_quant_matmul.quantized_matmul(x, qweight, scales, biases, g_idx)
+
+
+def int8_rows(kernels, bits: int) -> int:
+    """Rows below which our kernel multiplies `bits`-bit weights by inputs quantized to int8."""
+    return (VNNI_INT8_ROWS if kernels.has_vnni_dot_products else INT8_ROWS)[bits]
 
 
 def _present_groups(scales: torch.Tensor, biases: torch.Tensor | None, g_idx: torch.Tensor

@@ -1,0 +1,35 @@
+"""On a host with AVX512, the CPU kernels built without it (TRITONLM_CPU_AVX512=0: the AVX2 + FMA
+variants that hosts without AVX512 run) pass the same kernel tests against PyTorch; on a host with
+AVX512-VNNI, the quantized matmul built without VNNI (TRITONLM_CPU_VNNI=0: AVX512 hosts such as
+Skylake-SP) passes its tests."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tritonlm.layers import cpu_kernels
+
+KERNEL_TESTS = ["test_cpu_gemm.py", "test_cpu_kernels_fused.py", "test_cpu_kernels_prefill.py",
+                "test_decode_attention_kernels.py", "test_quantized_matmul.py"]
+
+
+@pytest.mark.parametrize("switch,flag,variant,tests", [
+    ("TRITONLM_CPU_AVX512", "avx512f", "vector_lanes", KERNEL_TESTS),
+    ("TRITONLM_CPU_VNNI", "avx512_vnni", "has_vnni_dot_products", ["test_quantized_matmul.py"])],
+    ids=["avx2", "avx512-without-vnni"])
+def test_kernels_built_without_a_feature_pass_the_kernel_tests(switch, flag, variant, tests):
+    if flag not in cpu_kernels.cpu_flags().split():
+        pytest.skip(f"no {flag} here: the other kernel tests already run the variants without it")
+    here = Path(__file__).parent
+    env = {**os.environ, switch: "0"}
+    built = subprocess.run(
+        [sys.executable, "-c", "from tritonlm.layers import cpu_kernels; "
+         f"print(cpu_kernels.load().{variant})"], env=env, capture_output=True, text=True)
+    assert built.stdout.split()[-1:] == [{"vector_lanes": "8"}.get(variant, "False")], \
+        built.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          *(str(here / name) for name in tests)],
+                         env=env, cwd=here.parent, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-4000:]
