@@ -151,7 +151,7 @@ struct Tile {
   const float* groups;  // Mul::kGroups: the block's [groups, 2, 32] scales and biases
   int64_t group_pairs;  // pairs per group
   const float* x_sums;  // Mul::kGroups: row 0's sums of x over each group, then row 1's, ...
-  const float* x_scales;  // Mul::kIntegerDots: x's int8 scales, laid out as x_sums
+  const float* x_scales;  // Mul::kIntegerDots: row 0's (int8 scale, integer sum) per group, ...
   const O* bias_low;  // the low and high features' first bias values, or null
   const O* bias_high;
   O* out_low;   // first row's outputs of the low and high features (act(gate) * up: low)
@@ -206,7 +206,8 @@ void matmul_tile(const Tile<Mul, O>& t) {
       const int64_t begin = g * t.group_pairs, end = std::min(t.pairs, begin + t.group_pairs);
       if constexpr (Mul::kIntegerDots)
         Mul::template group_sums<R>(sums, t.w + begin * kPairElems<W>, t.x + 2 * begin,
-                                    t.x_stride, t.x_scales + g, groups, begin, end, prefetch);
+                                    t.x_stride, t.x_scales + 2 * g, 2 * groups, begin, end,
+                                    prefetch);
       else
         add_pairs<Mul, R>(sums, t, begin, end, prefetch);
       for (int v = 0; v < V; ++v) {

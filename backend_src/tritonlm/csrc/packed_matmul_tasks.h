@@ -22,7 +22,7 @@ struct Dequant {
   const float* groups;      // [blocks, groups, 2, 32]: Mul::kGroups' scales and biases
   int64_t group_pairs;      // pairs per group (the last group may be shorter)
   const float* x_sums;      // [m, groups]: x's sum over each group
-  const float* x_scales;    // [m, groups]: Mul::kIntegerDots: x's int8 scales
+  const float* x_scales;    // [m, groups, 2]: Mul::kIntegerDots: x's int8 scales, integer sums
 };
 
 template <typename T>
@@ -141,7 +141,7 @@ void run_tasks(const at::Tensor& x, const typename Mul::W* ws, int64_t pairs, co
                       ss ? ss + low : nullptr, ss ? ss + low + half : nullptr,
                       M::kGroups ? groups : nullptr, d.group_pairs,
                       M::kGroups ? d.x_sums + r * groups_per_block : nullptr,
-                      M::kIntegerDots ? d.x_scales + r * groups_per_block : nullptr,
+                      M::kIntegerDots ? d.x_scales + 2 * r * groups_per_block : nullptr,
                       bs ? bs + low : nullptr, bs ? bs + low + half : nullptr,
                       out_row + low, out_row + low + half, s.out_cols, cols_low, cols_high,
                       row_tiles == 1, next, next_per_pair});
