@@ -174,6 +174,34 @@ void scaled_sums(const __m512i (&wide)[R][2], const float* x_scales, int64_t x_s
                                  _mm512_set1_ps(x_scales[r * x_scales_stride]));
 }
 
+// wide[r] = the sums over pair rows [begin, end) of vpdpbusd(four weight values a lane, row r's
+// four int8 x values). quads(p, two, low, high) gives pair rows p and p + 1 (or p alone, `two`
+// false: x's next two values may not exist) as two registers of 16 features' four values.
+template <int R, typename Quads, typename Prefetch>
+__attribute__((always_inline)) inline void vnni_sums(__m512i (&wide)[R][2], const int8_t* x,
+                                                     int64_t x_stride, int64_t begin,
+                                                     int64_t end, Quads quads,
+                                                     Prefetch prefetch) {
+  for (int r = 0; r < R; ++r) wide[r][0] = wide[r][1] = _mm512_setzero_si512();
+  auto add = [&](int64_t p, bool two) __attribute__((always_inline)) {
+    prefetch(p);
+    if (two) prefetch(p + 1);
+    __m512i low, high;
+    quads(p, two, low, high);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      int32_t values = 0;
+      std::memcpy(&values, x + r * x_stride + 2 * (p - begin), two ? 4 : 2);
+      const __m512i xs = _mm512_set1_epi32(values);
+      wide[r][0] = _mm512_dpbusd_epi32(wide[r][0], low, xs);
+      wide[r][1] = _mm512_dpbusd_epi32(wide[r][1], high, xs);
+    }
+  };
+  int64_t p = begin;
+  for (; p + 1 < end; p += 2) add(p, true);
+  if (p < end) add(p, false);
+}
+
 // Int4Dots with AVX512-VNNI's vpdpbusd: four 0..15 values of a feature times x's four int8
 // values, summed into the feature's int32 lane, 64 products an instruction. Two pair rows make
 // the four values: each byte zero-extended into a lane, the next pair row's 16 bits up, nibbles
@@ -199,26 +227,13 @@ struct Int4Vnni : WidenedFma<Avx512, Int4Pair, true, int8_t> {
                          const float* x_scales, int64_t x_scales_stride, int64_t begin,
                          int64_t end, Prefetch prefetch) {
     __m512i wide[R][2];  // int32 sums of features 0-15, 16-31
-    for (int r = 0; r < R; ++r) wide[r][0] = wide[r][1] = _mm512_setzero_si512();
-    // pair rows p and p + 1, or p alone (`two` false: x's next two values may not exist)
-    auto add = [&](int64_t p, bool two) __attribute__((always_inline)) {
-      prefetch(p);
-      if (two) prefetch(p + 1);
+    auto pair_rows = [&](int64_t p, bool two, __m512i& low, __m512i& high)
+                         __attribute__((always_inline)) {
       const auto* row = reinterpret_cast<const uint8_t*>(w + (p - begin) * kBlock);
-      const __m512i low = quads(row, two ? row + kBlock : nullptr);
-      const __m512i high = quads(row + 16, two ? row + kBlock + 16 : nullptr);
-#pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) {
-        int32_t values = 0;
-        std::memcpy(&values, x + r * x_stride + 2 * (p - begin), two ? 4 : 2);
-        const __m512i xs = _mm512_set1_epi32(values);
-        wide[r][0] = _mm512_dpbusd_epi32(wide[r][0], low, xs);
-        wide[r][1] = _mm512_dpbusd_epi32(wide[r][1], high, xs);
-      }
+      low = quads(row, two ? row + kBlock : nullptr);
+      high = quads(row + 16, two ? row + kBlock + 16 : nullptr);
     };
-    int64_t p = begin;
-    for (; p + 1 < end; p += 2) add(p, true);
-    if (p < end) add(p, false);
+    vnni_sums(wide, x, x_stride, begin, end, pair_rows, prefetch);
     scaled_sums(wide, x_scales, x_scales_stride, sums);
   }
 };
@@ -239,28 +254,16 @@ struct Int8Vnni : WidenedFma<Avx512, int8_t, true, int8_t> {
                          int64_t end, Prefetch prefetch) {
     const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
     __m512i wide[R][2];  // int32 sums of features 0-3, 8-11, 16-19, 24-27; 4-7, 12-15, ...
-    for (int r = 0; r < R; ++r) wide[r][0] = wide[r][1] = _mm512_setzero_si512();
-    auto add = [&](int64_t p, bool two) __attribute__((always_inline)) {
-      prefetch(p);
-      if (two) prefetch(p + 1);
+    auto pair_rows = [&](int64_t p, bool two, __m512i& low, __m512i& high)
+                         __attribute__((always_inline)) {
       const int8_t* row = w + (p - begin) * kPairElems<int8_t>;
       const __m512i first = _mm512_loadu_si512(row);
       const __m512i second = two ? _mm512_loadu_si512(row + kPairElems<int8_t>)
                                  : _mm512_setzero_si512();
-      const __m512i low = _mm512_xor_si512(_mm512_unpacklo_epi16(first, second), offset);
-      const __m512i high = _mm512_xor_si512(_mm512_unpackhi_epi16(first, second), offset);
-#pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) {
-        int32_t values = 0;
-        std::memcpy(&values, x + r * x_stride + 2 * (p - begin), two ? 4 : 2);
-        const __m512i xs = _mm512_set1_epi32(values);
-        wide[r][0] = _mm512_dpbusd_epi32(wide[r][0], low, xs);
-        wide[r][1] = _mm512_dpbusd_epi32(wide[r][1], high, xs);
-      }
+      low = _mm512_xor_si512(_mm512_unpacklo_epi16(first, second), offset);
+      high = _mm512_xor_si512(_mm512_unpackhi_epi16(first, second), offset);
     };
-    int64_t p = begin;
-    for (; p + 1 < end; p += 2) add(p, true);
-    if (p < end) add(p, false);
+    vnni_sums(wide, x, x_stride, begin, end, pair_rows, prefetch);
     const __m512i first_half =
         _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second_half =
