@@ -121,11 +121,11 @@ def replays(monkeypatch):
     sizes = []
     run = DecodeGraphs.run
 
-    def counting(graphs, chunks):
+    def counting(graphs, chunks, *run_step):
         bucket = next(b for b in graphs.buckets if b >= len(chunks))
         if bucket in graphs.graphs:
             sizes.append(len(chunks))
-        return run(graphs, chunks)
+        return run(graphs, chunks, *run_step)
     monkeypatch.setattr(DecodeGraphs, "run", counting)
     return sizes
 
@@ -148,6 +148,25 @@ def test_cuda_graphs_give_the_eager_tokens(tmp_path, smollm2_tokenizer, replays,
     assert sorted(graphs.graphs) == [1, 2, 4, 8, 16]
     assert [out.token_ids for out in graphed.generate(prompts, params)] == expected
     assert len(set(replays)) >= 4, replays  # several buckets replayed, most with padding
+
+
+def test_decode_runs_on_cuda_graphs_sample_as_single_steps(tmp_path, smollm2_tokenizer):
+    """Runs of up to 8 steps (the CUDA default) replaying the graphs, their input ids copied on
+    the device: the same sampled tokens and logprobs as one step per schedule."""
+    _, repo = convert_tiny(tmp_path, "llama", smollm2_tokenizer, "bfloat16")
+    prompts = random_prompts(6, len(smollm2_tokenizer), seed=4)
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=20 + 3 * i,
+                             logprobs=2, ignore_eos=True) for i in range(len(prompts))]
+    single = LLM(str(repo), block_size=8, max_num_seqs=8, num_scheduler_steps=1)
+    expected = single.generate(prompts, params)
+    del single
+    runs = LLM(str(repo), block_size=8, max_num_seqs=8)
+    assert runs.engine.runner.max_decode_run == 8
+    got = runs.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    for a, b in zip(got, expected):
+        assert [e["logprob"] for e in a.logprobs] == pytest.approx(
+            [e["logprob"] for e in b.logprobs], abs=1e-5)
 
 
 @pytest.mark.parametrize("quantize,group_size", [("int4", 32), ("int8", None)])

@@ -255,3 +255,76 @@ def test_encoder_prompts_count_against_the_token_budget():
     first = sched.schedule()
     assert [c.seq_id for c in first.chunks] == [0]  # 20 + 1 tokens; a second would exceed 32
     assert first.chunks[0].encoder_token_ids == list(range(20))
+
+
+def run_scheduler(max_decode_run, num_blocks=16):
+    bm = BlockManager(num_blocks, 4)
+    return Scheduler(bm, 8, 64, frozenset({EOS}), max_decode_run), bm
+
+
+def apply_run(sched, plan, tokens_per_step):
+    """Feed a plan's steps their tokens (one per step, the same for every sequence)."""
+    for token in tokens_per_step:
+        sched.update(plan, {c.seq_id: SampledToken(token, -1.0, []) for c in plan.chunks})
+
+
+def test_decode_runs_take_every_running_sequence_for_as_many_steps_as_all_can():
+    sched, bm = run_scheduler(max_decode_run=4)
+    a, b = make_seq(0, 3, max_tokens=20), make_seq(1, 5, max_tokens=3)
+    sched.add(a)
+    sched.add(b)
+    assert run_step(sched).num_steps == 1  # the prompts
+    plan = sched.schedule()  # b may add 2 more tokens: a run of 2 steps
+    assert plan.num_steps == 2
+    assert [(c.seq_id, len(c.token_ids), c.start_pos) for c in plan.chunks] == [(0, 1, 3), (1, 1, 5)]
+    # Slots for both steps are given up front: a's positions 3 and 4 cross into its second block.
+    assert [len(c.block_table) for c in plan.chunks] == [2, 2]
+    apply_run(sched, plan, [7, 8])
+    assert b.is_finished and b.finish_reason == FinishReason.LENGTH
+    assert a.token_ids[-3:] == [7, 7, 8] and a.num_computed_tokens == 5
+    plan = sched.schedule()
+    assert plan.num_steps == 4 and [c.seq_id for c in plan.chunks] == [0]
+    assert plan.finished_seq_ids == [1]
+
+
+def test_a_stop_inside_a_run_drops_the_tokens_after_it():
+    sched, bm = run_scheduler(max_decode_run=4)
+    a, b = make_seq(0, 3), make_seq(1, 3)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    plan = sched.schedule()
+    assert plan.num_steps == 4
+    sched.update(plan, {0: SampledToken(7, -1.0, []), 1: SampledToken(EOS, -1.0, [])})
+    apply_run(sched, plan, [7, 7, 7])
+    assert b.is_finished and b.output_token_ids == [7, EOS] and b.block_table == []
+    assert a.output_token_ids == [7] * 5 and a.num_computed_tokens == 7
+    assert bm.num_free_blocks == 16 - 2
+
+
+@pytest.mark.parametrize("params", [
+    {"presence_penalty": 0.5}, {"min_tokens": 3}, {"watermark": True},
+    {"structured_outputs": {"regex": "[a-z]+"}}], ids=str)
+def test_sequences_sampled_by_host_state_decode_one_step_at_a_time(params):
+    sched, _ = run_scheduler(max_decode_run=4)
+    sched.add(make_seq(0, 3))
+    sched.add(make_seq(1, 3, **params))
+    run_step(sched)
+    assert sched.schedule().num_steps == 1
+
+
+def test_decode_runs_wait_for_requests_to_join_and_for_free_blocks():
+    sched, _ = run_scheduler(max_decode_run=4, num_blocks=3)
+    sched.add(make_seq(0, 4))
+    run_step(sched)
+    sched.add(make_seq(1, 9))  # three blocks: it waits for them
+    plan = sched.schedule()
+    assert plan.num_steps == 1 and [c.seq_id for c in plan.chunks] == [0] and sched.waiting
+
+    sched, bm = run_scheduler(max_decode_run=4, num_blocks=2)
+    a = make_seq(0, 3)
+    sched.add(a)
+    run_step(sched)
+    bm.grow(make_seq(1, 4), 4)  # the other block held: a's position 3 fits, 4 to 6 would not
+    plan = sched.schedule()
+    assert plan.num_steps == 1 and plan.chunks[0].block_table == a.block_table[:1]

@@ -92,9 +92,13 @@ except (torch.OutOfMemoryError, torch.AcceleratorError):  # capture_end: the lat
 }
 wait  # make-8b
 if [[ $SECTIONS == *ttft* ]]; then  # one request at a time: TTFT without queueing, batch-1 decode
-    engine max_num_seqs=1 gpu_memory_utilization=0.8  # the roofline's copy takes 8 GiB more
-    bench ttft-2k 90 --mode offline --num-requests 1 --rounds 3 --input-len 2048 --output-len 16 \
-        --roofline
+    for steps in ${TTFT_STEPS:-1 null}; do  # one decode step per schedule, then the default runs
+        # the roofline's copy takes 8 GiB more
+        engine max_num_seqs=1 gpu_memory_utilization=0.8 num_scheduler_steps=$steps
+        bench "ttft-2k-steps-$steps" 80 --mode offline --num-requests 1 --rounds 3 \
+            --input-len 2048 --output-len 16 --roofline
+    done
+    engine num_scheduler_steps=null
 fi
 if [[ $SECTIONS == *offline32* ]]; then
     engine max_num_seqs=32 gpu_memory_utilization=0.9
@@ -106,6 +110,6 @@ if [[ $SECTIONS == *offline256* ]]; then
 fi
 if [[ $SECTIONS == *served* ]]; then
     engine max_num_seqs=256
-    bench served 300 --mode serve --protocol grpc --concurrency 1,32,256 --num-requests 256 \
-        --input-len 512 --output-len 64
+    bench served 200 --mode serve --protocol grpc --concurrency 1,32,256 --num-requests 256 \
+        --input-len 512 --output-len 32
 fi

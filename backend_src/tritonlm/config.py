@@ -39,6 +39,10 @@ class EngineConfig:
     # Run decode steps eagerly instead of replaying CUDA graphs or CPU op programs
     # (engine/decode_graphs.py)
     enforce_eager: bool = False
+    # Decode steps one schedule may run in a row, inputs from the device (engine/decode_run.py;
+    # vLLM's name); None: 8 on CUDA, 1 on CPU. Runs need the decode graphs (not enforce_eager,
+    # one rank) and only take sequences whose sampling needs no host state between tokens.
+    num_scheduler_steps: int | None = None
     # TGI's watermark (tritonlm/watermark.py), for requests that ask: the green list's share of
     # the vocabulary and the logit added on it
     watermark_gamma: float = 0.5
@@ -65,6 +69,8 @@ class EngineConfig:
             raise ValueError(f"watermark_gamma must be in (0, 1), got {self.watermark_gamma}")
         if not self.watermark_delta > 0:
             raise ValueError(f"watermark_delta must be > 0, got {self.watermark_delta}")
+        if self.num_scheduler_steps is not None and self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 

@@ -88,10 +88,12 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[bucket] = graph
 
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """The hidden states [len(chunks), hidden] of a step `covers` accepts."""
+    def run(self, chunks: list[ScheduledChunk], step: int = 0,
+            input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The hidden states [len(chunks), hidden] of a step `covers` accepts; `step` > 0: the
+        step that many after the chunks' in a decode run, its input ids on the device."""
         bucket = next(b for b in self.buckets if b >= len(chunks))
-        self._fill(chunks, bucket)
+        self._fill(chunks, bucket, step, input_ids)
         if bucket in self.graphs:
             self.graphs[bucket].replay()
             return self.outputs[bucket][:len(chunks)]
@@ -124,21 +126,29 @@ class DecodeGraphs:
         meta.by_window = dict.fromkeys(self.windows, meta)
         return self.model(self.input_ids[:bucket], self.positions[:bucket], meta)
 
-    def _fill(self, chunks: list[ScheduledChunk], bucket: int) -> None:
-        """The step's rows, then padding up to the bucket, into the buffers."""
+    def _fill(self, chunks: list[ScheduledChunk], bucket: int, step: int = 0,
+              input_ids: torch.Tensor | None = None) -> None:
+        """The step's rows, then padding up to the bucket, into the buffers; `input_ids`, when
+        given, replace the chunks' tokens (copied on the device, in stream order)."""
         count = len(chunks)
         positions = np.zeros(bucket, dtype=np.int64)
-        positions[:count] = [c.start_pos for c in chunks]
-        token_ids = np.zeros(bucket, dtype=np.int64)
-        token_ids[:count] = [c.token_ids[0] for c in chunks]
+        positions[:count] = [c.start_pos + step for c in chunks]
+        if input_ids is None:
+            token_ids = np.zeros(bucket, dtype=np.int64)
+            token_ids[:count] = [c.token_ids[0] for c in chunks]
+            self.input_ids[:bucket].copy_(torch.from_numpy(token_ids), non_blocking=True)
+        else:  # padding rows keep the ids of the run's first step
+            self.input_ids[:count].copy_(input_ids)
         tables = pad_tables([c.block_table for c in chunks] + [[]] * (bucket - count),
                             self.max_blocks, self.scratch_block)
-        heads = np.arange(self.num_kv_heads)
-        filling = (
-            (self.input_ids, token_ids), (self.positions, positions),
+        filling = [
+            (self.positions, positions),
             (self.context_lens, positions + 1),
             (self.write_rows, write_locations(tables, np.ones(bucket, dtype=np.int64), positions,
-                                              self.block_size, self.num_kv_heads, False)),
-            (self.blocks, tables[:, None, :] * self.num_kv_heads + heads[None, :, None]))
+                                              self.block_size, self.num_kv_heads, False))]
+        if step == 0:  # a run's later steps read the same blocks
+            heads = np.arange(self.num_kv_heads)
+            filling.append((self.blocks, tables[:, None, :] * self.num_kv_heads
+                            + heads[None, :, None]))
         for buffer, array in filling:
             buffer[:len(array)].copy_(torch.from_numpy(array), non_blocking=True)

@@ -84,7 +84,8 @@ class LLMEngine:
         generation_config = read_generation_config(weights_dir)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens,
-                                   self._eos_token_ids(generation_config))
+                                   self._eos_token_ids(generation_config),
+                                   self.runner.max_decode_run)
         # The model's recommended sampling keys, for requests that leave them unset.
         self.sampling_defaults = sampling_defaults(generation_config)
         if self.sampling_defaults:
@@ -197,16 +198,17 @@ class LLMEngine:
             timeline.scheduled = timeline.scheduled or start
         result = self.runner.execute(plan)
         advanced: dict[str, RequestState] = {}
-        for seq in self.scheduler.update(plan, result.sampled, result.prompt_logprobs):
-            state = advanced.setdefault(seq.request_id, self._requests[seq.request_id])
-            state.timeline.first_token = state.timeline.first_token or time.time()
-            stop = state.on_new_token(seq)
-            if stop is not None:
-                self.scheduler.finish(seq, FinishReason.STOP, stop)
-            if not self.matchers.accept(seq.seq_id, seq.token_ids[-1]):
-                self.scheduler.finish(seq, FinishReason.STOP)  # the grammar is complete
-            if state.needs_fork and seq.num_output_tokens == 1:
-                self._fork(state, seq)
+        for sampled in result.sampled:  # a run's later tokens of a finished sequence are dropped
+            for seq in self.scheduler.update(plan, sampled, result.prompt_logprobs):
+                state = advanced.setdefault(seq.request_id, self._requests[seq.request_id])
+                state.timeline.first_token = state.timeline.first_token or time.time()
+                stop = state.on_new_token(seq)
+                if stop is not None:
+                    self.scheduler.finish(seq, FinishReason.STOP, stop)
+                if not self.matchers.accept(seq.seq_id, seq.token_ids[-1]):
+                    self.scheduler.finish(seq, FinishReason.STOP)  # the grammar is complete
+                if state.needs_fork and seq.num_output_tokens == 1:
+                    self._fork(state, seq)
         outputs = []
         for state in advanced.values():
             output = state.output()

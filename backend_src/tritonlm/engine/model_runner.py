@@ -11,6 +11,7 @@ from tritonlm.distributed import parallel_state
 from tritonlm.distributed.ranks import RankGroup, join_process_group
 from tritonlm.engine.auto_dtype import resolve_dtype, resolve_int8_activations
 from tritonlm.engine.decode_graphs import DecodeGraphs, batch_buckets, program_buckets
+from tritonlm.engine.decode_run import CUDA_DECODE_RUN, decode_run, sampled_tokens
 from tritonlm.engine.kv_cache_sizing import GIB, cuda_kv_cache_budget, profile_steps
 from tritonlm.engine.prompt_logprobs import prompt_logprobs
 from tritonlm.engine.sampling_inputs import SamplingInputs
@@ -92,6 +93,9 @@ class ModelRunner:
                             (free - torch.cuda.mem_get_info(self.device)[0]) / GIB)
         else:
             self._allocate_kv_cache(self.num_blocks)
+        # Decode runs go through the decode graphs' buffers (inputs from the device).
+        run = config.num_scheduler_steps or (CUDA_DECODE_RUN if self.device.type == "cuda" else 1)
+        self.max_decode_run = run if self.decode_graphs is not None else 1
 
     def _decode_graphs(self, scratch_block: int) -> DecodeGraphs:
         record = self._records_programs()
@@ -242,8 +246,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step; the sampled tokens of the chunks that sample and the prompt logprobs
-        of those that ask (on the driver; other ranks return an empty result)."""
+        """Run one step (or a decode run); the sampled tokens of the chunks that sample and the
+        prompt logprobs of those that ask (on the driver; other ranks return an empty result)."""
+        if plan.num_steps > 1:
+            self._forward_setup(plan)
+            return StepResult(sampled_tokens(plan.chunks, decode_run(
+                self.decode_graphs, self.model, self.sampling_inputs, plan.chunks,
+                plan.num_steps)))
         if self.ranks is None:
             hidden, sample_index = self._forward(plan)
         else:
@@ -254,16 +263,19 @@ class ModelRunner:
                 raise self.ranks.failure("a tensor-parallel step failed", exc) from exc
         if not self.is_driver:
             return StepResult()
-        return StepResult(self._sample(plan, hidden, sample_index),
+        return StepResult([self._sample(plan, hidden, sample_index)],
                           prompt_logprobs(self.model, plan.chunks, hidden))
 
-    def _forward(self, plan: StepPlan):
+    def _forward_setup(self, plan: StepPlan) -> None:
         if self.is_driver:
             self.token_counts.release(plan.finished_seq_ids)
             self.token_counts.record(plan.chunks)
         if plan.block_copies:  # copy on write of shared blocks, before this step writes them
             source, target = (torch.tensor(i, device=self.device) for i in zip(*plan.block_copies))
             self.kv_cache.copy_blocks(source, target)
+
+    def _forward(self, plan: StepPlan):
+        self._forward_setup(plan)
         if self.decode_graphs is not None and self.decode_graphs.covers(plan.chunks):
             sampling = [i for i, c in enumerate(plan.chunks) if c.sampling is not None]
             return (self.decode_graphs.run(plan.chunks),
@@ -278,14 +290,7 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[sample_index])
         out = sample(logits, self.sampling_inputs.build(sampling_chunks, logits.shape[-1]))
-        tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()
-        top_ids, top_logprobs = out.top_ids.tolist(), out.top_logprobs.tolist()
-        results = {}
-        for i, chunk in enumerate(sampling_chunks):
-            n = chunk.sampling.params.logprobs or 0
-            top = list(zip(top_ids[i][:n], top_logprobs[i][:n]))
-            results[chunk.seq_id] = SampledToken(tokens[i], logprobs[i], top)
-        return results
+        return sampled_tokens(sampling_chunks, [out])[0]
 
 def load_runner(model_dir: str, rank: int, world_size: int, init_method: str,
                 **settings) -> ModelRunner:

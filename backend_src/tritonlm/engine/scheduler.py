@@ -8,8 +8,12 @@ from tritonlm.engine.step_plan import SampledToken, SamplingRow, ScheduledChunk,
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, eos_token_ids: frozenset[int]):
+                 max_num_batched_tokens: int, eos_token_ids: frozenset[int],
+                 max_decode_run: int = 1):
+        """`max_decode_run`: the most decode steps one plan may ask for in a row (StepPlan.
+        num_steps); 1 where the runner cannot chain them."""
         self.block_manager = block_manager
+        self.max_decode_run = max_decode_run
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
@@ -39,6 +43,12 @@ class Scheduler:
         """Pick this step's work: running sequences first, then waiting ones in arrival order."""
         plan = StepPlan(finished_seq_ids=self._finished_ids)
         self._finished_ids = []
+        plan.num_steps = self._decode_run_length()
+        if plan.num_steps > 1:
+            self.blocked_by_cache = False
+            for seq in self.running:
+                self._schedule_chunk(seq, 1, plan, num_slots=plan.num_steps)
+            return plan
         budget = self.max_num_batched_tokens
         index = 0
         while index < len(self.running) and budget > 0:
@@ -83,6 +93,27 @@ class Scheduler:
             self._finished_ids = plan.finished_seq_ids
         return plan
 
+    def _decode_run_length(self) -> int:
+        """How many decode steps the running batch may take in a row: as many as the run may
+        have (max_decode_run) while no sequence reaches its token limit before the last, when
+        every sequence decodes, none samples by what the host must see first (its tokens so far:
+        grammar, penalties, bad words, min_tokens, watermark), no request waits to join and the
+        blocks for every step are free now; else 1."""
+        if self.max_decode_run == 1 or self.waiting or not self.running:
+            return 1
+        if not all(seq.num_uncomputed_tokens == 1 and self._samples_on_device(seq)
+                   for seq in self.running):
+            return 1
+        steps = min(self.max_decode_run,
+                    min(seq.max_total_tokens - seq.num_tokens for seq in self.running))
+        missing = sum(self.block_manager.num_missing_blocks(seq, steps) for seq in self.running)
+        return steps if steps > 1 and missing <= self.block_manager.num_free_blocks else 1
+
+    def _samples_on_device(self, seq: Sequence) -> bool:
+        p = seq.params
+        return (p.constraint is None and not p.uses_penalties and not p.watermark
+                and not seq.bad_words_ids and seq.num_output_tokens >= p.min_tokens)
+
     def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
         """Preempt the most recently admitted sequences until `seq` fits; False if seq went too."""
         while not self.block_manager.can_grow(seq, num_new):
@@ -106,8 +137,9 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _schedule_chunk(self, seq: Sequence, num_new: int, plan: StepPlan,
-                        admitted: bool = False) -> int:
-        copy = self.block_manager.grow(seq, num_new)
+                        admitted: bool = False, num_slots: int | None = None) -> int:
+        """`num_slots`: the KV slots to give it, when more than its `num_new` tokens (a run)."""
+        copy = self.block_manager.grow(seq, num_slots or num_new)
         if copy is not None:
             plan.block_copies.append(copy)
         start = seq.num_computed_tokens

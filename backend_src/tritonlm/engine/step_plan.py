@@ -40,6 +40,10 @@ class StepPlan:
     preempted_seq_ids: list[int] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # since the previous plan
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, target) blocks
+    # Above 1, a decode run: every chunk decodes this many tokens in a row, each step's input the
+    # token the one before sampled, with KV slots already given for all of them. The host sees
+    # the tokens once, after the last step, so the device never waits on it in between.
+    num_steps: int = 1
 
     @property
     def is_empty(self) -> bool:
@@ -56,6 +60,7 @@ class SampledToken:
 
 @dataclass
 class StepResult:
-    """What a step produced: the sampled tokens, and prompt logprobs for the chunks asking."""
-    sampled: dict[int, SampledToken] = field(default_factory=dict)  # by seq_id
+    """What a step produced: the sampled tokens (by seq_id, a dict per step of the plan), and
+    prompt logprobs for the chunks asking."""
+    sampled: list[dict[int, SampledToken]] = field(default_factory=list)
     prompt_logprobs: dict[int, list[SampledToken]] = field(default_factory=dict)  # by seq_id

@@ -1,0 +1,49 @@
+"""Sampled tokens from the device to the plan's results, and decode runs: a plan of several
+decode steps in a row (StepPlan.num_steps), each step's input the token the step before sampled
+on the device. The host queues every step before it reads any token, so the device goes from one
+step to the next without waiting for the host to schedule, sample and fill inputs in between
+(what vLLM's multi-step scheduling does); the host reads all the run's tokens at once after."""
+import dataclasses
+
+import torch
+
+from tritonlm.engine.decode_graphs import DecodeGraphs
+from tritonlm.engine.sampling_inputs import SamplingInputs
+from tritonlm.engine.step_plan import SampledToken, ScheduledChunk
+from tritonlm.layers.sampler import SamplerOutput, sample
+
+# The steps of a run on CUDA when engine.json leaves num_scheduler_steps unset: enough to hide
+# the host's share of a step (~1.5 ms against a 4-6 ms 8B decode step on an H100 / H200) while a
+# request arriving meanwhile waits at most this many steps to join.
+CUDA_DECODE_RUN = 8
+
+
+def decode_run(graphs: DecodeGraphs, model, sampling_inputs: SamplingInputs,
+               chunks: list[ScheduledChunk], num_steps: int) -> list[SamplerOutput]:
+    """The sampler's outputs of `num_steps` decode steps of `chunks` (decodes that all sample,
+    whose KV slots for every step the scheduler gave), queued without reading one back."""
+    outputs, tensors, tokens = [], None, None
+    for step in range(num_steps):
+        logits = model.compute_logits(graphs.run(chunks, step, tokens))
+        if tensors is None:
+            tensors = sampling_inputs.build(chunks, logits.shape[-1])
+        else:  # the next output index: the noise of sampled rows moves on with it
+            tensors = dataclasses.replace(tensors, steps=tensors.steps + 1)
+        outputs.append(sample(logits, tensors))
+        tokens = outputs[-1].tokens
+    return outputs
+
+
+def sampled_tokens(chunks: list[ScheduledChunk],
+                   outputs: list[SamplerOutput]) -> list[dict[int, SampledToken]]:
+    """Per step, each sampling chunk's token, its logprob and the top alternatives it asked for,
+    read from the device in one transfer of each kind."""
+    tokens = torch.stack([o.tokens for o in outputs]).tolist()
+    logprobs = torch.stack([o.logprobs for o in outputs]).tolist()
+    top_ids = torch.stack([o.top_ids for o in outputs]).tolist()
+    top_logprobs = torch.stack([o.top_logprobs for o in outputs]).tolist()
+    counts = [c.sampling.params.logprobs or 0 for c in chunks]
+    return [{chunk.seq_id: SampledToken(tokens[s][i], logprobs[s][i],
+                                        list(zip(top_ids[s][i][:n], top_logprobs[s][i][:n])))
+             for i, (chunk, n) in enumerate(zip(chunks, counts))}
+            for s in range(len(outputs))]
