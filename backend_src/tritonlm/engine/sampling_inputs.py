@@ -22,22 +22,21 @@ class SamplingInputs:
     def build(self, chunks, vocab_size: int) -> SamplingTensors:
         """The tensors of the sampling `chunks` (one row each) over logits of `vocab_size`."""
         rows = [c.sampling for c in chunks]
-        values = {name: torch.tensor([getattr(r.params, name) for r in rows], dtype=torch.float32)
-                  for name in _FLOAT_PARAMS}
-        top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.int64)
-        truncating = ((top_k > 0) | (values["top_p"] < 1) | (values["min_p"] > 0)
+        # One host-to-device copy per dtype: on a GPU each copy costs the host a transfer call.
+        floats = torch.tensor([[getattr(r.params, name) for r in rows] for name in _FLOAT_PARAMS],
+                              dtype=torch.float32)
+        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned]
+        ints = torch.tensor([[r.params.top_k for r in rows], [r.seed for r in rows],
+                             [r.output_index for r in rows]], dtype=torch.int64)
+        values = dict(zip(_FLOAT_PARAMS, floats))
+        truncating = ((ints[0] > 0) | (values["top_p"] < 1) | (values["min_p"] > 0)
                       | (values["typical_p"] < 1))
+        floats, ints = floats.to(self.device), ints.to(self.device)
+        banned = torch.tensor(banned, dtype=torch.int64).reshape(-1, 2).T.contiguous().to(self.device)
         tensors = SamplingTensors(
-            **{name: value.to(self.device) for name, value in values.items()},
-            top_k=top_k.to(self.device),
-            seeds=torch.tensor([r.seed for r in rows], dtype=torch.int64, device=self.device),
-            steps=torch.tensor([r.output_index for r in rows], dtype=torch.int64,
-                               device=self.device),
+            **dict(zip(_FLOAT_PARAMS, floats)), top_k=ints[0], seeds=ints[1], steps=ints[2],
             num_logprobs=max(r.params.logprobs or 0 for r in rows),
-            banned_rows=torch.tensor([i for i, r in enumerate(rows) for _ in r.banned],
-                                     dtype=torch.int64, device=self.device),
-            banned_tokens=torch.tensor([t for r in rows for t in r.banned], dtype=torch.int64,
-                                       device=self.device),
+            banned_rows=banned[0], banned_tokens=banned[1],
             **self._bias_tensors(rows),
             all_greedy=bool((values["temperature"] == 0).all()),
             needs_truncation=bool(truncating.any()))
