@@ -7,6 +7,7 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -22,6 +23,19 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True, name="tritonlm-orphan-watch").start()
 
 
+def _load_runner(model_dir: str, rank: int, world_size: int, init_method: str, **settings):
+    """Rank `rank`'s runner for a model version directory, joined with the other ranks;
+    `settings` are rank 0's effective engine settings."""
+    from tritonlm.config import WEIGHTS_DIR, EngineConfig
+    from tritonlm.distributed.ranks import join_process_group
+    from tritonlm.engine.model_runner import ModelRunner, resolve_device
+    from tritonlm.models.loader import load_config
+    config = EngineConfig.load(model_dir, **settings)
+    join_process_group(rank, world_size, init_method, resolve_device(config.device, rank))
+    weights_dir = Path(model_dir) / WEIGHTS_DIR
+    return ModelRunner(config, load_config(weights_dir), weights_dir)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tritonlm-worker", description=__doc__.splitlines()[0])
     parser.add_argument("model_dir")
@@ -33,9 +47,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.parent_pid:
         _exit_when_orphaned(args.parent_pid)
-    from tritonlm.engine.model_runner import load_runner
-    runner = load_runner(args.model_dir, rank=args.rank, world_size=args.world_size,
-                         init_method=args.init_method, **json.loads(args.overrides))
+    runner = _load_runner(args.model_dir, args.rank, args.world_size, args.init_method,
+                          **json.loads(args.overrides))
     dist.barrier()  # loaded: rank 0 starts serving once every rank is here
     while True:
         message = [None]

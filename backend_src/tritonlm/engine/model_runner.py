@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from tritonlm.config import WEIGHTS_DIR, EngineConfig
+from tritonlm.config import EngineConfig
 from tritonlm.distributed import parallel_state
-from tritonlm.distributed.ranks import RankGroup, join_process_group
+from tritonlm.distributed.ranks import RankGroup
 from tritonlm.engine.auto_dtype import resolve_dtype, resolve_int8_activations
 from tritonlm.engine.decode_graphs import DecodeGraphs, batch_buckets, program_buckets
 from tritonlm.engine.decode_run import CUDA_DECODE_RUN, decode_run, sampled_tokens
@@ -25,7 +25,7 @@ from tritonlm.layers.kv_cache import KVCache
 from tritonlm.layers.quantization import QuantizedWeight
 from tritonlm.layers.sampler import sample
 from tritonlm.layers.token_counts import TokenCounts
-from tritonlm.models.loader import load_config, load_model
+from tritonlm.models.loader import load_model
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -291,15 +291,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_index])
         out = sample(logits, self.sampling_inputs.build(sampling_chunks, logits.shape[-1]))
         return sampled_tokens(sampling_chunks, [out])[0]
-
-def load_runner(model_dir: str, rank: int, world_size: int, init_method: str,
-                **settings) -> ModelRunner:
-    """Rank `rank`'s runner for a model version directory, joined with the other ranks;
-    `settings` are rank 0's effective engine settings."""
-    config = EngineConfig.load(model_dir, **settings)
-    join_process_group(rank, world_size, init_method, resolve_device(config.device, rank))
-    weights_dir = Path(model_dir) / WEIGHTS_DIR
-    return ModelRunner(config, load_config(weights_dir), weights_dir)
 
 
 def _attention_specs(layers: list[PagedAttention]) -> list[AttentionSpec]:
