@@ -121,11 +121,11 @@ def replays(monkeypatch):
     sizes = []
     run = DecodeGraphs.run
 
-    def counting(graphs, chunks, *run_step):
+    def counting(graphs, chunks, *step_and_ids):
         bucket = next(b for b in graphs.buckets if b >= len(chunks))
         if bucket in graphs.graphs:
             sizes.append(len(chunks))
-        return run(graphs, chunks, *run_step)
+        return run(graphs, chunks, *step_and_ids)
     monkeypatch.setattr(DecodeGraphs, "run", counting)
     return sizes
 

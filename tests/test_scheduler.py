@@ -276,7 +276,8 @@ def test_decode_runs_take_every_running_sequence_for_as_many_steps_as_all_can():
     assert run_step(sched).num_steps == 1  # the prompts
     plan = sched.schedule()  # b may add 2 more tokens: a run of 2 steps
     assert plan.num_steps == 2
-    assert [(c.seq_id, len(c.token_ids), c.start_pos) for c in plan.chunks] == [(0, 1, 3), (1, 1, 5)]
+    assert [(c.seq_id, len(c.token_ids), c.start_pos) for c in plan.chunks] == [(0, 1, 3),
+                                                                              (1, 1, 5)]
     # Slots for both steps are given up front: a's positions 3 and 4 cross into its second block.
     assert [len(c.block_table) for c in plan.chunks] == [2, 2]
     apply_run(sched, plan, [7, 8])

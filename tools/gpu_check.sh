@@ -111,7 +111,8 @@ fi
 if [[ $SECTIONS == *served* ]]; then
     # The Python backend's stub embeds an interpreter that ignores PYTHONPATH: the same paths go
     # into a .pth file of this interpreter's site-packages.
-    tr : '\n' <<<"$PYTHONPATH" >"$($PY -c 'import site; print(site.getsitepackages()[0])')/tritonlm-gpu-check.pth"
+    site_packages=$($PY -c 'import site; print(site.getsitepackages()[0])')
+    tr : '\n' <<<"$PYTHONPATH" >"$site_packages/tritonlm-gpu-check.pth"
     engine max_num_seqs=256
     bench served 200 --mode serve --protocol grpc --concurrency 1,32,256 --num-requests 256 \
         --input-len 512 --output-len 32

@@ -25,20 +25,20 @@ class SamplingInputs:
         # One host-to-device copy per dtype: on a GPU each copy costs the host a transfer call.
         floats = torch.tensor([[getattr(r.params, name) for r in rows] for name in _FLOAT_PARAMS],
                               dtype=torch.float32)
-        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned]
         ints = torch.tensor([[r.params.top_k for r in rows], [r.seed for r in rows],
                              [r.output_index for r in rows]], dtype=torch.int64)
-        values = dict(zip(_FLOAT_PARAMS, floats))
-        truncating = ((ints[0] > 0) | (values["top_p"] < 1) | (values["min_p"] > 0)
-                      | (values["typical_p"] < 1))
-        floats, ints = floats.to(self.device), ints.to(self.device)
-        banned = torch.tensor(banned, dtype=torch.int64).reshape(-1, 2).T.contiguous().to(self.device)
+        bans = torch.tensor([(i, t) for i, r in enumerate(rows) for t in r.banned],
+                            dtype=torch.int64).reshape(-1, 2).T.contiguous()  # rows, tokens
+        host = dict(zip(_FLOAT_PARAMS, floats))
+        truncating = ((ints[0] > 0) | (host["top_p"] < 1) | (host["min_p"] > 0)
+                      | (host["typical_p"] < 1))
+        floats, ints, bans = (t.to(self.device) for t in (floats, ints, bans))
         tensors = SamplingTensors(
             **dict(zip(_FLOAT_PARAMS, floats)), top_k=ints[0], seeds=ints[1], steps=ints[2],
             num_logprobs=max(r.params.logprobs or 0 for r in rows),
-            banned_rows=banned[0], banned_tokens=banned[1],
+            banned_rows=bans[0], banned_tokens=bans[1],
             **self._bias_tensors(rows),
-            all_greedy=bool((values["temperature"] == 0).all()),
+            all_greedy=bool((host["temperature"] == 0).all()),
             needs_truncation=bool(truncating.any()))
         if any(c.track_tokens for c in chunks):
             tensors.seen, tensors.output_counts = self.token_counts.history(
