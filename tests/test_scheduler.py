@@ -329,3 +329,15 @@ def test_decode_runs_wait_for_requests_to_join_and_for_free_blocks():
     bm.grow(make_seq(1, 4), 4)  # the other block held: a's position 3 fits, 4 to 6 would not
     plan = sched.schedule()
     assert plan.num_steps == 1 and plan.chunks[0].block_table == a.block_table[:1]
+
+
+def test_a_full_batch_runs_while_requests_wait_for_a_slot():
+    sched = Scheduler(BlockManager(16, 4), 2, 64, frozenset({EOS}), max_decode_run=4)
+    for i in range(3):
+        sched.add(make_seq(i, 3, max_tokens=5))
+    run_step(sched)  # two prompts; the third waits for a slot
+    plan = sched.schedule()
+    assert plan.num_steps == 4 and [c.seq_id for c in plan.chunks] == [0, 1]
+    apply_run(sched, plan, [7, 7, 7, 7])
+    plan = sched.schedule()  # both ended (5 tokens): the third joins
+    assert plan.num_steps == 1 and [c.seq_id for c in plan.chunks] == [2]

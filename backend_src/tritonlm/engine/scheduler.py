@@ -97,9 +97,12 @@ class Scheduler:
         """How many decode steps the running batch may take in a row: as many as the run may
         have (max_decode_run) while no sequence reaches its token limit before the last, when
         every sequence decodes, none samples by what the host must see first (its tokens so far:
-        grammar, penalties, bad words, min_tokens, watermark), no request waits to join and the
+        grammar, penalties, bad words, min_tokens, watermark), no waiting request could join now
+        (a full batch runs on: a request waiting for its slot gets it after the run) and the
         blocks for every step are free now; else 1."""
-        if self.max_decode_run == 1 or self.waiting or not self.running:
+        if self.max_decode_run == 1 or not self.running:
+            return 1
+        if self.waiting and len(self.running) < self.max_num_seqs:
             return 1
         if not all(seq.num_uncomputed_tokens == 1 and self._samples_on_device(seq)
                    for seq in self.running):
