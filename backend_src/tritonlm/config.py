@@ -43,6 +43,15 @@ class EngineConfig:
     # vLLM's name); None: 8 on CUDA, 1 on CPU. Runs need the decode graphs (not enforce_eager,
     # one rank) and only take sequences whose sampling needs no host state between tokens.
     num_scheduler_steps: int | None = None
+    # Speculative decoding (engine/speculation.py, vLLM's names): "ngram" (prompt lookup of
+    # prompt_lookup_max down to prompt_lookup_min tokens) proposes num_speculative_tokens tokens
+    # a step that one target step verifies, while fewer than speculative_disable_by_batch_size
+    # sequences run (above that, a step is bound by compute, not by reading the weights).
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    speculative_disable_by_batch_size: int = 8
     # TGI's watermark (tritonlm/watermark.py), for requests that ask: the green list's share of
     # the vocabulary and the logit added on it
     watermark_gamma: float = 0.5
@@ -71,8 +80,20 @@ class EngineConfig:
             raise ValueError(f"watermark_delta must be > 0, got {self.watermark_delta}")
         if self.num_scheduler_steps is not None and self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
+        self._check_speculative()
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+    def _check_speculative(self) -> None:
+        if self.speculative not in (None, "ngram"):
+            raise ValueError(f"speculative must be null or \"ngram\", got {self.speculative!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min",
+                     "speculative_disable_by_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= "
+                             f"prompt_lookup_min ({self.prompt_lookup_min})")
 
     @classmethod
     def load(cls, model_dir: str | Path, **overrides) -> "EngineConfig":

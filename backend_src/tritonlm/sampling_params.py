@@ -35,6 +35,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
     watermark: bool = False  # TGI's (tritonlm/watermark.py)
+    speculative: bool = True  # false: no speculative decoding for this request
     # Structured output (vLLM's keys; output_constraints.py): one of them, as `constraint`
     structured_outputs: dict | None = None
     guided_json: dict | str | None = None
@@ -128,7 +129,7 @@ _FIELD_TYPES = {
     "truncate_prompt_tokens": (int, type(None)),
     "seed": (int, type(None)), "stop": list,
     "stop_token_ids": list, "bad_words": list, "include_stop_str_in_output": bool, "ignore_eos": bool,
-    "skip_special_tokens": bool, "watermark": bool,
+    "skip_special_tokens": bool, "watermark": bool, "speculative": bool,
     "structured_outputs": (dict, type(None)), "guided_json": (dict, str, type(None)),
     "guided_regex": (str, type(None)), "guided_choice": (list, type(None)),
     "guided_grammar": (str, type(None)),

@@ -1,4 +1,5 @@
-"""Sampled tokens from the device to the plan's results, and decode runs: a plan of several
+"""Sampled tokens from the device to the plan's results, the rows a speculative verification
+samples, and decode runs: a plan of several
 decode steps in a row (StepPlan.num_steps), each step's input the token the step before sampled
 on the device. The host queues every step before it reads any token, so the device goes from one
 step to the next without waiting for the host to schedule, sample and fill inputs in between
@@ -34,16 +35,36 @@ def decode_run(graphs: DecodeGraphs, model, sampling_inputs: SamplingInputs,
     return outputs
 
 
-def sampled_tokens(chunks: list[ScheduledChunk],
-                   outputs: list[SamplerOutput]) -> list[dict[int, SampledToken]]:
+def verification_rows(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[int]]:
+    """The sampling rows of `chunks`, in order, and each row's position among its chunk's: one
+    per chunk, or 1 + k for a chunk ending in k draft tokens (sampled after each of its last
+    1 + k tokens, at output indices on from its row's: the noise of the draws without drafts)."""
+    rows, positions = [], []
+    for chunk in chunks:
+        k = chunk.num_draft_tokens
+        rows += [chunk] if not k else [dataclasses.replace(
+            chunk, token_ids=chunk.token_ids[:len(chunk.token_ids) - k + j],
+            sampling=dataclasses.replace(chunk.sampling,
+                                         output_index=chunk.sampling.output_index + j))
+            for j in range(k + 1)]
+        positions += range(k + 1)
+    return rows, positions
+
+
+def sampled_tokens(chunks: list[ScheduledChunk], outputs: list[SamplerOutput],
+                   positions: list[int] | None = None) -> list[dict[int, SampledToken]]:
     """Per step, each sampling chunk's token, its logprob and the top alternatives it asked for,
-    read from the device in one transfer of each kind."""
+    read from the device in one transfer of each kind. `positions` (verification_rows'): rows
+    sampled after a draft token go to the dicts of later steps."""
     tokens = torch.stack([o.tokens for o in outputs]).tolist()
     logprobs = torch.stack([o.logprobs for o in outputs]).tolist()
     top_ids = torch.stack([o.top_ids for o in outputs]).tolist()
     top_logprobs = torch.stack([o.top_logprobs for o in outputs]).tolist()
     counts = [c.sampling.params.logprobs or 0 for c in chunks]
-    return [{chunk.seq_id: SampledToken(tokens[s][i], logprobs[s][i],
-                                        list(zip(top_ids[s][i][:n], top_logprobs[s][i][:n])))
-             for i, (chunk, n) in enumerate(zip(chunks, counts))}
-            for s in range(len(outputs))]
+    positions = positions or [0] * len(chunks)
+    steps = [{} for _ in range(len(outputs) + max(positions, default=0))]
+    for s in range(len(outputs)):
+        for i, (chunk, n, position) in enumerate(zip(chunks, counts, positions)):
+            steps[s + position][chunk.seq_id] = SampledToken(
+                tokens[s][i], logprobs[s][i], list(zip(top_ids[s][i][:n], top_logprobs[s][i][:n])))
+    return steps

@@ -17,6 +17,7 @@ from tritonlm.engine.detokenizer import IncrementalDetokenizer
 from tritonlm.engine.generation_config import read_generation_config, sampling_defaults
 from tritonlm.distributed.ranks import RankGroup
 from tritonlm.engine.model_runner import ModelRunner, resolve_device
+from tritonlm.engine.ngram_proposer import NgramProposer
 from tritonlm.engine.request_builder import Request, RequestBuilder
 from tritonlm.engine.request_state import RequestOutput, RequestState
 from tritonlm.engine.scheduler import Scheduler
@@ -85,7 +86,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens,
                                    self._eos_token_ids(generation_config),
-                                   self.runner.max_decode_run)
+                                   self.runner.max_decode_run, self._proposer(),
+                                   self.config.speculative_disable_by_batch_size)
         # The model's recommended sampling keys, for requests that leave them unset.
         self.sampling_defaults = sampling_defaults(generation_config)
         if self.sampling_defaults:
@@ -107,6 +109,17 @@ class LLMEngine:
         self._warn_preemption = RateLimitedWarning()
         self._warn_cache_full = RateLimitedWarning()
         self._reported_prefix_cache = (0, 0)  # (queries, hits) already sent to observers
+
+    def _proposer(self) -> NgramProposer | None:
+        config = self.config
+        if config.speculative is None:
+            return None
+        logger.info("speculative decoding: %s, %d tokens a step (n-grams of %d..%d), while "
+                    "fewer than %d sequences run", config.speculative,
+                    config.num_speculative_tokens, config.prompt_lookup_min,
+                    config.prompt_lookup_max, config.speculative_disable_by_batch_size)
+        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                             config.prompt_lookup_max)
 
     def _eos_token_ids(self, generation_config: dict) -> frozenset[int]:
         ids = set()
@@ -198,8 +211,9 @@ class LLMEngine:
             timeline.scheduled = timeline.scheduled or start
         result = self.runner.execute(plan)
         advanced: dict[str, RequestState] = {}
-        for sampled in result.sampled:  # a run's later tokens of a finished sequence are dropped
-            for seq in self.scheduler.update(plan, sampled, result.prompt_logprobs):
+        # A run's (or a verification's) later tokens of a finished sequence are dropped.
+        for step, sampled in enumerate(result.sampled):
+            for seq in self.scheduler.update(plan, sampled, result.prompt_logprobs, step):
                 state = advanced.setdefault(seq.request_id, self._requests[seq.request_id])
                 state.timeline.first_token = state.timeline.first_token or time.time()
                 stop = state.on_new_token(seq)

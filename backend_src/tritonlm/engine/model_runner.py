@@ -11,7 +11,8 @@ from tritonlm.distributed import parallel_state
 from tritonlm.distributed.ranks import RankGroup
 from tritonlm.engine.auto_dtype import resolve_dtype, resolve_int8_activations
 from tritonlm.engine.decode_graphs import DecodeGraphs, batch_buckets, program_buckets
-from tritonlm.engine.decode_run import CUDA_DECODE_RUN, decode_run, sampled_tokens
+from tritonlm.engine.decode_run import (CUDA_DECODE_RUN, decode_run, sampled_tokens,
+                                        verification_rows)
 from tritonlm.engine.kv_cache_sizing import GIB, cuda_kv_cache_budget, profile_steps
 from tritonlm.engine.prompt_logprobs import prompt_logprobs
 from tritonlm.engine.sampling_inputs import SamplingInputs
@@ -263,7 +264,7 @@ class ModelRunner:
                 raise self.ranks.failure("a tensor-parallel step failed", exc) from exc
         if not self.is_driver:
             return StepResult()
-        return StepResult([self._sample(plan, hidden, sample_index)],
+        return StepResult(self._sample(plan, hidden, sample_index),
                           prompt_logprobs(self.model, plan.chunks, hidden))
 
     def _forward_setup(self, plan: StepPlan) -> None:
@@ -284,13 +285,13 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, inputs.meta), inputs.sample_index
 
     def _sample(self, plan: StepPlan, hidden: torch.Tensor,
-                sample_index: torch.Tensor) -> dict[int, SampledToken]:
-        sampling_chunks = [c for c in plan.chunks if c.sampling is not None]
-        if not sampling_chunks:
-            return {}
+                sample_index: torch.Tensor) -> list[dict[int, SampledToken]]:
+        rows, positions = verification_rows([c for c in plan.chunks if c.sampling is not None])
+        if not rows:
+            return [{}]
         logits = self.model.compute_logits(hidden[sample_index])
-        out = sample(logits, self.sampling_inputs.build(sampling_chunks, logits.shape[-1]))
-        return sampled_tokens(sampling_chunks, [out])[0]
+        out = sample(logits, self.sampling_inputs.build(rows, logits.shape[-1]))
+        return sampled_tokens(rows, [out], positions)
 
 
 def _attention_specs(layers: list[PagedAttention]) -> list[AttentionSpec]:

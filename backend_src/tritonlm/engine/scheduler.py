@@ -2,6 +2,7 @@
 from collections import deque
 
 from tritonlm.engine.block_manager import BlockManager
+from tritonlm.engine.ngram_proposer import NgramProposer
 from tritonlm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from tritonlm.engine.step_plan import SampledToken, SamplingRow, ScheduledChunk, StepPlan
 
@@ -9,11 +10,14 @@ from tritonlm.engine.step_plan import SampledToken, SamplingRow, ScheduledChunk,
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, eos_token_ids: frozenset[int],
-                 max_decode_run: int = 1):
+                 max_decode_run: int = 1, proposer: NgramProposer | None = None,
+                 max_speculating_batch: int = 0):
         """`max_decode_run`: the most decode steps one plan may ask for in a row (StepPlan.
-        num_steps); 1 where the runner cannot chain them."""
+        num_steps); 1 where the runner cannot chain them. `proposer`: drafts for speculative
+        decoding while fewer than `max_speculating_batch` sequences run."""
         self.block_manager = block_manager
         self.max_decode_run = max_decode_run
+        self.proposer, self.max_speculating_batch = proposer, max_speculating_batch
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
@@ -23,6 +27,8 @@ class Scheduler:
         # Prompt tokens looked up in the prefix cache at admission, and those found there.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.num_draft_tokens = 0  # proposed for verification
+        self.num_accepted_tokens = 0  # of which the target sampled the same
         self._finished_ids: list[int] = []
         self.blocked_by_cache = False  # the last schedule() left requests waiting for blocks
 
@@ -43,7 +49,8 @@ class Scheduler:
         """Pick this step's work: running sequences first, then waiting ones in arrival order."""
         plan = StepPlan(finished_seq_ids=self._finished_ids)
         self._finished_ids = []
-        plan.num_steps = self._decode_run_length()
+        drafts = self._proposals()
+        plan.num_steps = 1 if drafts else self._decode_run_length()
         if plan.num_steps > 1:
             self.blocked_by_cache = False
             for seq in self.running:
@@ -57,7 +64,10 @@ class Scheduler:
             if not self._make_room(seq, num_new, plan):
                 break  # seq itself was preempted: nothing admitted after it either
             index += 1
-            budget -= self._schedule_chunk(seq, num_new, plan)
+            draft = drafts.get(seq.seq_id, [])[:budget - num_new]
+            if not self.block_manager.can_grow(seq, num_new + len(draft)):
+                draft = []  # speculation never preempts
+            budget -= self._schedule_chunk(seq, num_new, plan, draft=draft)
         self.blocked_by_cache = bool(plan.preempted_seq_ids)
         if not plan.preempted_seq_ids:
             # Prompt blocks that running prefills are about to compute: a request needing one
@@ -92,6 +102,21 @@ class Scheduler:
         if plan.is_empty:  # the runner sees finished sequences with the next real step
             self._finished_ids = plan.finished_seq_ids
         return plan
+
+    def _proposals(self) -> dict[int, list[int]]:
+        """Draft tokens for the decoding sequences that may speculate, when the batch is small
+        enough for a step to be bound by reading the weights rather than by compute."""
+        if self.proposer is None or len(self.running) >= self.max_speculating_batch:
+            return {}
+        drafts = {}
+        for seq in self.running:
+            room = seq.max_total_tokens - seq.num_tokens  # tokens past the limit are dropped
+            if (room > 0 and seq.num_uncomputed_tokens == 1 and seq.params.speculative
+                    and seq.encoder_token_ids is None and self._samples_on_device(seq)):
+                draft = self.proposer.propose(seq.token_ids, room)
+                if draft:
+                    drafts[seq.seq_id] = draft
+        return drafts
 
     def _decode_run_length(self) -> int:
         """How many decode steps the running batch may take in a row: as many as the run may
@@ -140,9 +165,11 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _schedule_chunk(self, seq: Sequence, num_new: int, plan: StepPlan,
-                        admitted: bool = False, num_slots: int | None = None) -> int:
-        """`num_slots`: the KV slots to give it, when more than its `num_new` tokens (a run)."""
-        copy = self.block_manager.grow(seq, num_slots or num_new)
+                        admitted: bool = False, num_slots: int | None = None,
+                        draft: list[int] = ()) -> int:
+        """`num_slots`: the KV slots to give it, when more than its `num_new` tokens (a run);
+        `draft`: proposed tokens to verify after them. Returns the tokens it computes."""
+        copy = self.block_manager.grow(seq, num_slots or num_new + len(draft))
         if copy is not None:
             plan.block_copies.append(copy)
         start = seq.num_computed_tokens
@@ -157,12 +184,14 @@ class Scheduler:
         targets = (seq.token_ids[start + 1:min(start + num_new + 1, seq.num_prompt_tokens)]
                    if seq.needs_prompt_logprobs else [])
         plan.chunks.append(ScheduledChunk(
-            seq.seq_id, seq.token_ids[start:start + num_new], start, list(seq.block_table),
+            seq.seq_id, seq.token_ids[start:start + num_new] + list(draft), start,
+            list(seq.block_table),
             sampling, seq.num_prompt_tokens, tracked, history,
             encoder_token_ids=None if seq.encoder_computed or not encoder else list(encoder),
             cross_block_table=list(seq.cross_block_table), encoder_len=len(encoder),
-            prompt_targets=targets, num_prompt_logprobs=seq.params.prompt_logprobs or 0))
-        return num_new
+            prompt_targets=targets, num_prompt_logprobs=seq.params.prompt_logprobs or 0,
+            num_draft_tokens=len(draft)))
+        return num_new + len(draft)
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
         """Stop tokens until min_tokens is reached; the last token of any bad word whose other
@@ -177,19 +206,37 @@ class Scheduler:
         return tuple(banned)
 
     def update(self, plan: StepPlan, sampled: dict[int, SampledToken],
-               prompt_logprobs: dict[int, list[SampledToken]] | None = None) -> list[Sequence]:
-        """Apply a step's results (seq_id -> new token, and prompt logprobs where asked);
-        returns the sequences that grew."""
+               prompt_logprobs: dict[int, list[SampledToken]] | None = None,
+               step: int = 0) -> list[Sequence]:
+        """Apply a step's results (seq_id -> new token, and prompt logprobs where asked), or
+        those of `step` > 0: a run's later step, or the tokens sampled after the draft tokens of
+        a verification, each applied while the draft before it was accepted; returns the
+        sequences that grew."""
         grown = []
         by_id = {seq.seq_id: seq for seq in self.running}
         for chunk in plan.chunks:
             seq = by_id.get(chunk.seq_id)
-            if seq is None:  # aborted while the step ran
+            if seq is None:  # aborted while the step ran, or finished earlier in the run
                 continue
-            if chunk.prompt_targets:
-                seq.add_prompt_logprobs(chunk.start_pos, prompt_logprobs[chunk.seq_id])
-            seq.num_computed_tokens += len(chunk.token_ids)
-            seq.encoder_computed = seq.encoder_token_ids is not None
+            verified = len(chunk.token_ids) - chunk.num_draft_tokens  # tokens not proposed
+            if step == 0:
+                if chunk.prompt_targets:
+                    seq.add_prompt_logprobs(chunk.start_pos, prompt_logprobs[chunk.seq_id])
+                seq.num_computed_tokens += verified
+                seq.encoder_computed = seq.encoder_token_ids is not None
+                seq.num_draft_tokens += chunk.num_draft_tokens
+                self.num_draft_tokens += chunk.num_draft_tokens
+            else:
+                # Every step so far applied, and its token was the draft this step follows.
+                if (chunk.seq_id not in sampled
+                        or seq.num_tokens != chunk.start_pos + verified + step
+                        or (chunk.num_draft_tokens
+                            and seq.token_ids[-1] != chunk.token_ids[verified + step - 1])):
+                    continue
+                seq.num_computed_tokens += 1
+                if chunk.num_draft_tokens:
+                    seq.num_accepted_tokens += 1
+                    self.num_accepted_tokens += 1
             self.block_manager.cache_full_blocks(seq)
             if chunk.sampling is None:
                 continue

@@ -52,6 +52,9 @@ class Sequence:
         self.logprobs: list[SampledToken] = []
         # prompt_logprobs: entry i for prompt token i + 1 (the first token has none)
         self.prompt_logprobs: list[SampledToken] = []
+        # Speculative decoding: tokens proposed for it, and of those the ones accepted
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     def append(self, sampled: SampledToken) -> None:
         self.token_ids.append(sampled.token)

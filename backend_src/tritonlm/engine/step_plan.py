@@ -32,6 +32,10 @@ class ScheduledChunk:
     # tokens, whose logprobs (and top num_prompt_logprobs alternatives) the request asked for.
     prompt_targets: list[int] = field(default_factory=list)
     num_prompt_logprobs: int = 0
+    # Speculative decoding: token_ids ends with this many proposed tokens, sampled after each
+    # position as well as the last (output indices on from sampling.output_index); the scheduler
+    # keeps the proposals that equal the tokens sampled before them, then one sampled token more.
+    num_draft_tokens: int = 0
 
 
 @dataclass
@@ -60,7 +64,7 @@ class SampledToken:
 
 @dataclass
 class StepResult:
-    """What a step produced: the sampled tokens (by seq_id, a dict per step of the plan), and
-    prompt logprobs for the chunks asking."""
+    """What a step produced: the sampled tokens (by seq_id, a dict per step of a run or per
+    position of a speculative verification), and prompt logprobs for the chunks asking."""
     sampled: list[dict[int, SampledToken]] = field(default_factory=list)
     prompt_logprobs: dict[int, list[SampledToken]] = field(default_factory=dict)  # by seq_id

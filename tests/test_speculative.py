@@ -1,0 +1,201 @@
+"""Speculative decoding with n-gram prompt lookup (engine/ngram_proposer.py): one target step
+verifies each sequence's proposals. Greedy tokens must stay transformers', sampled tokens and
+logprobs those of the engine without speculation (the draws are keyed by seed and output index,
+and a proposal is kept only where the target drew that very token), a token drawn where a
+proposal waited must follow transformers' distribution, and no block may leak."""
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import hf_greedy
+from family_check import random_prompts, reference_greedy, save_tiny
+from tritonlm import LLM, SamplingParams
+from tritonlm.engine.ngram_proposer import propose_ngram
+
+LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15)
+SPECULATIVE = dict(speculative="ngram", num_speculative_tokens=4, prompt_lookup_min=1,
+                   prompt_lookup_max=3, speculative_disable_by_batch_size=64, block_size=8)
+
+
+def test_ngram_proposals():
+    # The longest n-gram ending the tokens wins; of its occurrences, the most recent.
+    assert propose_ngram([1, 2, 3, 9, 2, 3, 7, 5, 2, 3], 2, 1, 3) == [7, 5]
+    assert propose_ngram([5, 1, 2, 3, 4, 8, 1, 2, 3, 6, 2, 3], 3, 1, 3) == [6, 2, 3]
+    assert propose_ngram([4, 1, 2, 8, 9, 1, 2], 5, 2, 2) == [8, 9, 1, 2]
+    assert propose_ngram([4, 1, 2, 8, 9, 1, 2], 5, 3, 3) == []  # no 3-gram recurs
+    assert propose_ngram([1, 2, 3], 4, 1, 3) == []
+    assert propose_ngram([7, 7], 3, 1, 3) == [7]  # the proposal stops at the end of the context
+    assert propose_ngram([3], 2, 1, 3) == []
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2_tokenizer):
+    from tritonlm_convert.convert import convert
+    directory = tmp_path_factory.mktemp("speculative")
+    config = LlamaConfig(**LLAMA, vocab_size=len(smollm2_tokenizer))
+    hf = save_tiny(directory / "hf", LlamaForCausalLM, config, smollm2_tokenizer)
+    return hf, convert(str(directory / "hf"), directory / "repo", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def engines(tiny):
+    _, repo = tiny
+    return LLM(str(repo), block_size=8), LLM(str(repo), **SPECULATIVE)
+
+
+def repeating_prompts(n: int, seed: int) -> list[list[int]]:
+    """Random token runs said twice, or three times: lookup finds proposals at once."""
+    return [p * (2 + i % 2) for i, p in enumerate(random_prompts(n, 2000, max_len=12, seed=seed))]
+
+
+def counters(llm: LLM) -> tuple[int, int]:
+    return llm.engine.scheduler.num_draft_tokens, llm.engine.scheduler.num_accepted_tokens
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    blocks = llm.engine.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks
+    assert not llm.engine.scheduler.has_unfinished
+
+
+def test_greedy_tokens_are_transformers_alone_and_batched(tiny, engines):
+    hf, _ = tiny
+    _, spec = engines
+    prompts = repeating_prompts(6, seed=1) + random_prompts(2, 2000, seed=2)
+    lengths = [9 + 5 * i for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    expected = [reference_greedy(hf, p, n) for p, n in zip(prompts, lengths)]
+    drafted, accepted = counters(spec)
+    assert [spec.generate([p], q)[0].token_ids for p, q in zip(prompts, params)] == expected
+    assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+    drafted, accepted = (a - b for a, b in zip(counters(spec), (drafted, accepted)))
+    # Proposals were made, some kept and some not: both paths of verification ran.
+    assert 0 < accepted < drafted, (accepted, drafted)
+    assert_all_blocks_free(spec)
+
+
+# Input-grounded requests, whose answers copy from their prompts: most proposals are kept.
+TEXT = ("The Triton Inference Server lets teams deploy models from many frameworks. It batches "
+        "requests dynamically, runs several models at once, and reports metrics.")
+CODE = ("def add(a, b):\n    return a + b\n\n\ndef scale(values, factor):\n"
+        "    return [v * factor for v in values]\n")
+TASKS = [f"Repeat this text exactly:\n{TEXT}", f"Rewrite this code with type hints:\n{CODE}",
+         f"Fix the spelling: {TEXT.replace('e', 'ee', 3)}", f"Summarise in one line: {TEXT}",
+         f"Add a docstring to each function:\n{CODE}"]
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_repo, smollm2_llm):
+    """The plain engine, the speculative one, and the tasks as chat prompts."""
+    spec = LLM(str(smollm2_repo), **SPECULATIVE)
+    tokenizer = spec.engine.tokenizer
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": task}],
+                                             add_generation_prompt=True, return_dict=False)
+               for task in TASKS]
+    return smollm2_llm, spec, prompts
+
+
+def test_smollm2_greedy_is_transformers_and_keeps_copied_proposals(smollm2, smollm2_hf):
+    _, spec, prompts = smollm2
+    before = counters(spec)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outputs = spec.generate(prompts[:3], params)
+    assert [o.token_ids for o in outputs] == [hf_greedy(smollm2_hf, p, 40) for p in prompts[:3]]
+    drafted, accepted = (a - b for a, b in zip(counters(spec), before))
+    assert drafted > accepted > drafted / 4, (accepted, drafted)  # 43% here
+    assert_all_blocks_free(spec)
+
+
+def test_sampled_tokens_and_logprobs_equal_no_speculation(smollm2):
+    plain, spec, prompts = smollm2
+    params = [SamplingParams(temperature=t, top_p=0.9, top_k=50, min_p=0.02, seed=i,
+                             max_tokens=30, logprobs=2, logit_bias={13: 2.0})
+              for i, t in enumerate([0.3, 0.6, 1.0, 0.6, 0.8])]
+    before = counters(spec)
+    ours, theirs = spec.generate(prompts, params), plain.generate(prompts, params)
+    assert counters(spec)[1] > before[1]
+    for a, b in zip(ours, theirs):
+        assert a.token_ids == b.token_ids
+        # The target's logprobs, from a verification step's kernels rather than a decode's.
+        ours_top, theirs_top = ([(t["token_id"], t["logprob"]) for e in o.logprobs
+                                 for t in e["top_logprobs"]] for o in (a, b))
+        assert [t for t, _ in ours_top] == [t for t, _ in theirs_top]
+        assert [p for _, p in ours_top] == pytest.approx([p for _, p in theirs_top], abs=1e-4)
+        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-3)
+
+
+def test_mixed_batch_n_best_of_and_stops_equal_no_speculation(smollm2):
+    plain, spec, prompts = smollm2
+    tokenizer = spec.engine.tokenizer
+    greedy = plain.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=30))
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[greedy[0].token_ids[12]]),
+        SamplingParams(temperature=0, max_tokens=30,
+                       stop=[tokenizer.decode(greedy[1].token_ids[10:12]).strip()]),
+        SamplingParams(temperature=0.8, n=3, best_of=4, seed=7, max_tokens=16),
+        SamplingParams(temperature=0, max_tokens=25, repetition_penalty=1.3),  # never drafts
+        SamplingParams(temperature=0, max_tokens=25, speculative=False),
+    ]
+    ours, theirs = spec.generate(prompts, params), plain.generate(prompts, params)
+    for a, b in zip(ours, theirs):
+        assert [(s.token_ids, s.text, s.finish_reason, s.stop_reason) for s in a.choices] == \
+            [(s.token_ids, s.text, s.finish_reason, s.stop_reason) for s in b.choices]
+    assert [o.finish_reason for o in ours[:2]] == ["stop", "stop"]
+    assert_all_blocks_free(spec)
+
+
+def test_preemption_and_prefix_caching_keep_outputs(smollm2_repo, smollm2):
+    plain, _, prompts = smollm2
+    llm = LLM(str(smollm2_repo), **{**SPECULATIVE, "num_kv_blocks": 40, "max_num_seqs": 8})
+    prompts = prompts + [p + [198] for p in prompts]  # the same prefixes again: cache hits
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain.generate(prompts, params)]
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_preemptions > 0 and scheduler.prefix_cache_hits > 0
+    assert counters(llm)[1] > 0
+    assert_all_blocks_free(llm)
+
+
+def test_cancelling_mid_speculation_frees_everything(tiny):
+    _, repo = tiny
+    llm = LLM(str(repo), **SPECULATIVE)
+    engine = llm.engine
+    for i, prompt in enumerate(repeating_prompts(4, seed=8)):
+        engine.add(engine.make_request(f"r{i}", prompt, SamplingParams(
+            temperature=0, max_tokens=200, ignore_eos=True)))
+    while engine.scheduler.num_accepted_tokens == 0:
+        engine.step()
+    for i in range(4):
+        engine.abort(f"r{i}")
+    assert_all_blocks_free(llm)
+    assert llm.generate([[1, 2, 3, 1, 2]], SamplingParams(temperature=0, max_tokens=5))
+
+
+def test_token_drawn_at_a_proposal_follows_transformers_distribution(smollm2, smollm2_hf):
+    """Chi-square over many seeds: the second token, drawn where lookup proposed one (the
+    copied text's next token), given the most common first token, against transformers'."""
+    _, spec, prompts = smollm2
+    num_samples, batch = 3000, 50  # batches under speculative_disable_by_batch_size
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=2, ignore_eos=True)
+              for s in range(num_samples)]
+    drafted = counters(spec)[0]
+    outputs = [o.token_ids for start in range(0, num_samples, batch)
+               for o in spec.generate([prompts[0]] * batch, params[start:start + batch])]
+    first = Counter(o[0] for o in outputs).most_common(1)[0][0]
+    second = np.array([o[1] for o in outputs if o[0] == first])
+    assert counters(spec)[0] - drafted >= len(second)  # each of them verified a proposal
+    with torch.inference_mode():
+        logits = smollm2_hf(torch.tensor([prompts[0] + [first]])).logits[0, -1].double()
+    probs = torch.softmax(logits, dim=-1).numpy()
+    # Bins: tokens expected at least 10 times each, the rest together.
+    common = np.flatnonzero(probs * len(second) >= 10)
+    assert len(common) >= 3
+    observed = [np.sum(second == t) for t in common] + [np.sum(~np.isin(second, common))]
+    expected = np.append(probs[common], 1 - probs[common].sum()) * len(second)
+    assert chisquare(observed, expected).pvalue > 1e-3
