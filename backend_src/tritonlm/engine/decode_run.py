@@ -1,5 +1,5 @@
-"""Sampled tokens from the device to the plan's results, the rows a speculative verification
-samples, and decode runs: a plan of several
+"""Sampled tokens from the device to the plan's results, speculative verification as decode rows,
+and decode runs: a plan of several
 decode steps in a row (StepPlan.num_steps), each step's input the token the step before sampled
 on the device. The host queues every step before it reads any token, so the device goes from one
 step to the next without waiting for the host to schedule, sample and fill inputs in between
@@ -10,7 +10,7 @@ import torch
 
 from tritonlm.engine.decode_graphs import DecodeGraphs
 from tritonlm.engine.sampling_inputs import SamplingInputs
-from tritonlm.engine.step_plan import SampledToken, ScheduledChunk
+from tritonlm.engine.step_plan import SampledToken, ScheduledChunk, StepPlan
 from tritonlm.layers.sampler import SamplerOutput, sample
 
 # The steps of a run on CUDA when engine.json leaves num_scheduler_steps unset: enough to hide
@@ -35,26 +35,33 @@ def decode_run(graphs: DecodeGraphs, model, sampling_inputs: SamplingInputs,
     return outputs
 
 
-def verification_rows(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[int]]:
-    """The sampling rows of `chunks`, in order, and each row's position among its chunk's: one
-    per chunk, or 1 + k for a chunk ending in k draft tokens (sampled after each of its last
-    1 + k tokens, at output indices on from its row's: the noise of the draws without drafts)."""
-    rows, positions = [], []
-    for chunk in chunks:
-        k = chunk.num_draft_tokens
-        rows += [chunk] if not k else [dataclasses.replace(
-            chunk, token_ids=chunk.token_ids[:len(chunk.token_ids) - k + j],
+def verification_plan(plan: StepPlan) -> tuple[StepPlan, list[int]]:
+    """`plan` with each chunk that ends in k draft tokens (a decode: 1 + k tokens) as 1 + k
+    decode rows sharing its block table, row j sampled at output index + j: the same kernels
+    (decode graphs included) and draws as decoding them one by one; and each chunk's position
+    among its chunk's rows (sampled_tokens' `positions`). Every row writes its K/V before any
+    attends, and row j attends to the keys up to its own."""
+    if not any(c.num_draft_tokens for c in plan.chunks):
+        return plan, [0] * len(plan.chunks)
+    chunks, positions = [], []
+    for chunk in plan.chunks:
+        if not chunk.num_draft_tokens:
+            chunks.append(chunk)
+            positions.append(0)
+            continue
+        chunks += [dataclasses.replace(
+            chunk, token_ids=[token], start_pos=chunk.start_pos + j, num_draft_tokens=0,
             sampling=dataclasses.replace(chunk.sampling,
                                          output_index=chunk.sampling.output_index + j))
-            for j in range(k + 1)]
-        positions += range(k + 1)
-    return rows, positions
+            for j, token in enumerate(chunk.token_ids)]
+        positions += range(len(chunk.token_ids))
+    return dataclasses.replace(plan, chunks=chunks), positions
 
 
 def sampled_tokens(chunks: list[ScheduledChunk], outputs: list[SamplerOutput],
                    positions: list[int] | None = None) -> list[dict[int, SampledToken]]:
     """Per step, each sampling chunk's token, its logprob and the top alternatives it asked for,
-    read from the device in one transfer of each kind. `positions` (verification_rows'): rows
+    read from the device in one transfer of each kind. `positions` (verification_plan's): rows
     sampled after a draft token go to the dicts of later steps."""
     tokens = torch.stack([o.tokens for o in outputs]).tolist()
     logprobs = torch.stack([o.logprobs for o in outputs]).tolist()

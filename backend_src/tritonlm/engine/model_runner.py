@@ -12,7 +12,7 @@ from tritonlm.distributed.ranks import RankGroup
 from tritonlm.engine.auto_dtype import resolve_dtype, resolve_int8_activations
 from tritonlm.engine.decode_graphs import DecodeGraphs, batch_buckets, program_buckets
 from tritonlm.engine.decode_run import (CUDA_DECODE_RUN, decode_run, sampled_tokens,
-                                        verification_rows)
+                                        verification_plan)
 from tritonlm.engine.kv_cache_sizing import GIB, cuda_kv_cache_budget, profile_steps
 from tritonlm.engine.prompt_logprobs import prompt_logprobs
 from tritonlm.engine.sampling_inputs import SamplingInputs
@@ -199,7 +199,7 @@ class ModelRunner:
             for plan in steps:
                 hidden, sample_index = self._forward(plan)
                 if self.is_driver:
-                    self._sample(plan, hidden, sample_index)
+                    self._sample(plan, hidden, sample_index, [0] * len(plan.chunks))
                     prompt_logprobs(self.model, plan.chunks, hidden)
         finally:
             self.token_counts.release([c.seq_id for plan in steps for c in plan.chunks])
@@ -254,6 +254,7 @@ class ModelRunner:
             return StepResult(sampled_tokens(plan.chunks, decode_run(
                 self.decode_graphs, self.model, self.sampling_inputs, plan.chunks,
                 plan.num_steps)))
+        plan, positions = verification_plan(plan)
         if self.ranks is None:
             hidden, sample_index = self._forward(plan)
         else:
@@ -264,7 +265,7 @@ class ModelRunner:
                 raise self.ranks.failure("a tensor-parallel step failed", exc) from exc
         if not self.is_driver:
             return StepResult()
-        return StepResult(self._sample(plan, hidden, sample_index),
+        return StepResult(self._sample(plan, hidden, sample_index, positions),
                           prompt_logprobs(self.model, plan.chunks, hidden))
 
     def _forward_setup(self, plan: StepPlan) -> None:
@@ -284,14 +285,15 @@ class ModelRunner:
         inputs = self.inputs.build(plan.chunks)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta), inputs.sample_index
 
-    def _sample(self, plan: StepPlan, hidden: torch.Tensor,
-                sample_index: torch.Tensor) -> list[dict[int, SampledToken]]:
-        rows, positions = verification_rows([c for c in plan.chunks if c.sampling is not None])
-        if not rows:
+    def _sample(self, plan: StepPlan, hidden: torch.Tensor, sample_index: torch.Tensor,
+                positions: list[int]) -> list[dict[int, SampledToken]]:
+        sampling = [(c, p) for c, p in zip(plan.chunks, positions) if c.sampling is not None]
+        if not sampling:
             return [{}]
+        rows, positions = zip(*sampling)
         logits = self.model.compute_logits(hidden[sample_index])
         out = sample(logits, self.sampling_inputs.build(rows, logits.shape[-1]))
-        return sampled_tokens(rows, [out], positions)
+        return sampled_tokens(rows, [out], list(positions))
 
 
 def _attention_specs(layers: list[PagedAttention]) -> list[AttentionSpec]:

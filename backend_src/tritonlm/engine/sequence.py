@@ -52,9 +52,11 @@ class Sequence:
         self.logprobs: list[SampledToken] = []
         # prompt_logprobs: entry i for prompt token i + 1 (the first token has none)
         self.prompt_logprobs: list[SampledToken] = []
-        # Speculative decoding: tokens proposed for it, and of those the ones accepted
+        # Speculative decoding: tokens proposed for it, of those the ones accepted, and how many
+        # its last verification accepted (None before the first)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.last_accepted: int | None = None
 
     def append(self, sampled: SampledToken) -> None:
         self.token_ids.append(sampled.token)

@@ -50,9 +50,8 @@ class StepInputBuilder:
                           for spec in self.window_specs}
         if self.cross_spec is not None:
             self._add_encoder_inputs(chunks, layout, meta)
-        # The last token of each sampling chunk, or its last 1 + k when it ends in k drafts.
-        sample_index = np.array([i for c, e in zip(chunks, ends) if c.sampling is not None
-                                 for i in range(e - 1 - c.num_draft_tokens, e)], dtype=np.int64)
+        sample_index = np.array([e - 1 for c, e in zip(chunks, ends) if c.sampling is not None],
+                                dtype=np.int64)
         return StepInputs(self._tensor(input_ids), self._tensor(positions), meta,
                           self._tensor(sample_index))
 
