@@ -367,3 +367,18 @@ def test_gpu_memory_utilization_is_recorded_and_checked(tiny, tmp_path, capsys):
         main([str(tiny[0]), "--output", str(tmp_path / "other"), "--gpu-memory-utilization", "1.5"])
     assert "gpu_memory_utilization must be in (0, 1], got 1.5" in capsys.readouterr().err
     assert not (tmp_path / "other").exists()
+
+
+def test_speculative_settings_are_recorded_and_checked(tiny, tmp_path, capsys):
+    main([str(tiny[0]), "--output", str(tmp_path / "repo"), "--speculative", "ngram",
+          "--num-speculative-tokens", "3"])
+    config = EngineConfig.load(tmp_path / "repo" / "llm" / "1")
+    assert (config.speculative, config.num_speculative_tokens) == ("ngram", 3)
+    with pytest.raises(SystemExit):
+        main([str(tiny[0]), "--output", str(tmp_path / "other"), "--speculative", "ngram",
+              "--num-speculative-tokens", "0"])
+    assert "num_speculative_tokens must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(tiny[0]), "--output", str(tmp_path / "other"), "--speculative", "medusa"])
+    assert "invalid choice: 'medusa'" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()

@@ -11,10 +11,13 @@ import torch
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import hf_greedy
+from conftest import hf_greedy, linked_repository
 from family_check import random_prompts, reference_greedy, save_tiny
 from tritonlm import LLM, SamplingParams
 from tritonlm.engine.ngram_proposer import propose_ngram
+from test_observability import delta, scrape
+from test_server import grpc_stream, text_of
+from triton_server import start_server
 
 LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15)
@@ -199,3 +202,26 @@ def test_token_drawn_at_a_proposal_follows_transformers_distribution(smollm2, sm
     observed = [np.sum(second == t) for t in common] + [np.sum(~np.isin(second, common))]
     expected = np.append(probs[common], 1 - probs[common].sum()) * len(second)
     assert chisquare(observed, expected).pvalue > 1e-3
+
+
+@pytest.mark.server
+def test_served_speculation_counts_drafts_and_logs_acceptance(smollm2_repo, smollm2, tmp_path):
+    plain, _, _ = smollm2
+    repo = linked_repository(smollm2_repo, tmp_path / "repo", num_kv_blocks=64,
+                             speculative="ngram", num_speculative_tokens=4)
+    prompt = f"Repeat this text exactly:\n{TEXT}"
+    expected = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=40))[0].text
+    with start_server(repo) as server:
+        before = scrape(server)
+        results, error = grpc_stream(server.grpc_url, prompt,
+                                     {"temperature": 0, "max_tokens": 40}, stream=False)
+        assert error is None and text_of(results[-1]) == expected
+        after = scrape(server)
+        drafted = delta(before, after, "spec_decode_num_draft_tokens_total")
+        accepted = delta(before, after, "spec_decode_num_accepted_tokens_total")
+        assert drafted > accepted > 0
+        assert f"draft_tokens={int(drafted)} accepted={int(accepted)}" in server.logs()
+        results, error = grpc_stream(server.grpc_url, prompt, {
+            "temperature": 0, "max_tokens": 40, "speculative": False}, stream=False)
+        assert error is None and text_of(results[-1]) == expected
+        assert delta(after, scrape(server), "spec_decode_num_draft_tokens_total") == 0

@@ -86,7 +86,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens,
                                    self._eos_token_ids(generation_config),
-                                   self.runner.max_decode_run, self._proposer(),
+                                   self.runner.max_decode_run,
+                                   NgramProposer.from_config(self.config),
                                    self.config.speculative_disable_by_batch_size)
         # The model's recommended sampling keys, for requests that leave them unset.
         self.sampling_defaults = sampling_defaults(generation_config)
@@ -108,18 +109,8 @@ class LLMEngine:
         self.observers: list[EngineObserver] = []
         self._warn_preemption = RateLimitedWarning()
         self._warn_cache_full = RateLimitedWarning()
-        self._reported_prefix_cache = (0, 0)  # (queries, hits) already sent to observers
-
-    def _proposer(self) -> NgramProposer | None:
-        config = self.config
-        if config.speculative is None:
-            return None
-        logger.info("speculative decoding: %s, %d tokens a step (n-grams of %d..%d), while "
-                    "fewer than %d sequences run", config.speculative,
-                    config.num_speculative_tokens, config.prompt_lookup_min,
-                    config.prompt_lookup_max, config.speculative_disable_by_batch_size)
-        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                             config.prompt_lookup_max)
+        # Prefix cache queries and hits, draft and accepted tokens already sent to observers
+        self._reported_counts = (0, 0, 0, 0)
 
     def _eos_token_ids(self, generation_config: dict) -> frozenset[int]:
         ids = set()
@@ -244,14 +235,14 @@ class LLMEngine:
                                   len(scheduler.waiting))
         if not self.observers:
             return
-        queries, hits = scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
-        reported_queries, reported_hits = self._reported_prefix_cache
-        self._reported_prefix_cache = (queries, hits)
+        totals = (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits,
+                  scheduler.num_draft_tokens, scheduler.num_accepted_tokens)
+        since = [total - reported for total, reported in zip(totals, self._reported_counts)]
+        self._reported_counts = totals
         stats = StepStats(len(scheduler.running), len(scheduler.waiting),
                           sum(s.num_output_tokens > 0 for s in scheduler.waiting),
                           blocks.num_blocks - blocks.num_free_blocks, blocks.num_blocks,
-                          len(plan.preempted_seq_ids), queries - reported_queries,
-                          hits - reported_hits)
+                          len(plan.preempted_seq_ids), *since)
         for observer in self.observers:
             observer.on_step(stats)
 
@@ -276,13 +267,18 @@ class LLMEngine:
         timeline.finished = time.time()
         finished = FinishedRequest(state.request_id, timeline, state.num_prompt_tokens,
                                    sum(s.num_output_tokens for s in state.seqs),
-                                   state.seqs[0].finish_reason, state.trace_parent)
+                                   state.seqs[0].finish_reason, state.trace_parent,
+                                   sum(s.num_draft_tokens for s in state.seqs),
+                                   sum(s.num_accepted_tokens for s in state.seqs))
         ttft = timeline.first_token - timeline.arrival if timeline.first_token else float("nan")
+        drafts = finished.num_draft_tokens
         logger.info("request %s finished: reason=%s prompt_tokens=%d output_tokens=%d "
-                    "ttft=%.3fs total=%.3fs free_blocks=%d/%d", state.request_id,
+                    "ttft=%.3fs total=%.3fs free_blocks=%d/%d%s", state.request_id,
                     finished.finish_reason, finished.num_prompt_tokens, finished.num_output_tokens,
                     ttft, timeline.finished - timeline.arrival,
-                    self.block_manager.num_free_blocks, self.block_manager.num_blocks)
+                    self.block_manager.num_free_blocks, self.block_manager.num_blocks,
+                    f" draft_tokens={drafts} accepted={finished.num_accepted_tokens} "
+                    f"({finished.num_accepted_tokens / drafts:.0%})" if drafts else "")
         for observer in self.observers:
             observer.on_request_finished(finished)
 

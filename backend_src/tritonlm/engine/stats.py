@@ -25,6 +25,8 @@ class FinishedRequest:
     num_output_tokens: int  # over all of its sequences
     finish_reason: str  # of its first sequence
     trace_parent: str | None  # W3C traceparent of the caller's trace, when one came with it
+    num_draft_tokens: int = 0  # speculative tokens verified for it (all of its sequences)
+    num_accepted_tokens: int = 0  # of which kept
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class StepStats:
     num_preemptions: int  # in this step
     prefix_cache_queries: int  # prompt tokens looked up in this step
     prefix_cache_hits: int  # of which found
+    num_draft_tokens: int = 0  # speculative tokens verified in this step
+    num_accepted_tokens: int = 0  # of which kept
 
 
 class EngineObserver(Protocol):

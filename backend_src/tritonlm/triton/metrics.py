@@ -51,6 +51,10 @@ class TritonMetrics:
                                          "Prompt tokens found in the prefix cache")
         self.prefix_queries = self._counter("prefix_cache_queries_total",
                                             "Prompt tokens looked up in the prefix cache")
+        self.draft_tokens = self._counter("spec_decode_num_draft_tokens_total",
+                                          "Speculative tokens proposed and verified")
+        self.accepted_tokens = self._counter("spec_decode_num_accepted_tokens_total",
+                                             "Speculative tokens accepted")
         self.finished = {reason: self._counter("request_success_total", "Finished requests",
                                                {"finished_reason": reason})
                          for reason in FINISH_REASONS}
@@ -95,6 +99,9 @@ class TritonMetrics:
         if stats.prefix_cache_queries:
             self.prefix_queries.increment(stats.prefix_cache_queries)
             self.prefix_hits.increment(stats.prefix_cache_hits)
+        if stats.num_draft_tokens:
+            self.draft_tokens.increment(stats.num_draft_tokens)
+            self.accepted_tokens.increment(stats.num_accepted_tokens)
 
     def on_request_finished(self, request: FinishedRequest) -> None:
         t = request.timeline

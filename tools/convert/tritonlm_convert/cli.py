@@ -57,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION",
                         help="CUDA: the fraction of each GPU the instance may use, weights and "
                              "activations included; the KV cache gets the rest (default: 0.9)")
+    speculation = parser.add_argument_group("speculative decoding")
+    speculation.add_argument("--speculative", choices=("ngram",),
+                             help="ngram: prompt lookup proposes tokens that one step verifies, "
+                                  "while the batch is small (default: off)")
+    speculation.add_argument("--num-speculative-tokens", type=int, metavar="K",
+                             help="tokens proposed per sequence and step (default: 4)")
     return parser
 
 
@@ -86,7 +92,9 @@ def main(argv: list[str] | None = None) -> None:
                             float_head=args.float_head,
                             kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
                             quantized_activations=args.quantized_activations,
-                            gpu_memory_utilization=args.gpu_memory_utilization)
+                            gpu_memory_utilization=args.gpu_memory_utilization,
+                            speculative=args.speculative,
+                            num_speculative_tokens=args.num_speculative_tokens)
     except (ConversionError, OSError) as e:
         parser.exit(1, f"{parser.prog}: error: {' '.join(str(e).split())}\n")
     print(f"wrote {model_dir}")

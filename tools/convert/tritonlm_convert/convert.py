@@ -155,7 +155,8 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
             calibration: str | Path | None = None, keep_quantized: bool = False,
             float_head: bool = False, kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None,
             gpu_memory_utilization: float | None = None,
-            quantized_activations: str = "auto") -> Path:
+            quantized_activations: str = "auto", speculative: str | None = None,
+            num_speculative_tokens: int | None = None) -> Path:
     """Convert SRC into the Triton model directory OUTPUT/NAME and return its path."""
     if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*", name):
         raise ConversionError(f"model name {name!r} must be a plain directory name")
@@ -171,14 +172,15 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
     source = open_source(src, trust_pickle)
     dtype, stored_dtype = resolve_dtype(dtype, source.stored_dtype)
     resolved = resolve_config(source.raw_config)
-    sized = {name: value for name, value in (("kv_cache_memory", kv_cache_memory),
-                                             ("gpu_memory_utilization", gpu_memory_utilization))
-             if value is not None}
+    settings = {name: value for name, value in (
+        ("kv_cache_memory", kv_cache_memory), ("gpu_memory_utilization", gpu_memory_utilization),
+        ("speculative", speculative), ("num_speculative_tokens", num_speculative_tokens))
+        if value is not None}
     try:
         engine = EngineConfig(dtype=dtype, tensor_parallel_size=tp, kv_cache_dtype=kv_cache_dtype,
                               quantized_activations=quantized_activations,
                               max_model_len=resolve_max_model_len(max_model_len, context_limit(resolved)),
-                              **sized)
+                              **settings)
     except ValueError as error:
         raise ConversionError(str(error)) from error
     source = quantize_source(source, resolved, quantize, group_size, calibration, keep_quantized, float_head)
