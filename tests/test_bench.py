@@ -66,6 +66,25 @@ def test_offline_with_transformers_shared_prefix_json_and_plot(smollm2_repo, tmp
     assert "TTFT cold" in printed
 
 
+def test_speculation_timed_beside_the_engine_without_it(smollm2_repo, tmp_path, capsys):
+    """Grounded chat requests one at a time, with and without n-gram speculation: the same
+    tokens, and TPOT and tokens/s compared round by round."""
+    out = tmp_path / "spec.json"
+    main(["--model", str(smollm2_repo), "--workload", "grounded", "--num-requests", "3",
+          "--output-len", "24", "--offline-concurrency", "1", "--speculative", "ngram",
+          "--num-speculative-tokens", "3", "--rounds", "2", "--json", str(out)])
+    runs = _runs(out)
+    plain, spec = runs["tritonlm offline c=1"], runs["tritonlm offline + ngram c=1"]
+    assert plain["output_tokens"] == spec["output_tokens"] == 3 * 24
+    # one at a time: each request's first token comes after the one before finished
+    assert plain["e2e_ms"]["p50"] < plain["duration_s"] * 1e3 / 2
+    versus = json.loads(out.read_text())["speculation"]["tritonlm offline + ngram c=1"]
+    assert versus["base"] == "tritonlm offline c=1" and len(versus["tpot_lower"]) == 2
+    assert versus["tpot_lower"] == pytest.approx([a / b for a, b in zip(
+        plain["rounds_tpot_p50_ms"], spec["rounds_tpot_p50_ms"])])
+    assert "tritonlm offline + ngram c=1 vs tritonlm offline c=1: TPOT" in capsys.readouterr().out
+
+
 def test_compared_systems_run_in_each_asked_dtype(smollm2_repo, tmp_path, capsys):
     """Ours in the model's dtype (float32), transformers in it and in bfloat16: a run and a ratio
     each, named by dtype where it is not ours."""

@@ -122,6 +122,7 @@ def test_info(http, smollm2_server):
     assert info["max_total_tokens"] == SERVED_MAX_MODEL_LEN
     assert info["max_input_tokens"] == SERVED_MAX_MODEL_LEN - 1
     assert info["max_best_of"] == 2 and info["max_stop_sequences"] == 4
+    assert info["speculate"] == 0
     assert info["max_concurrent_requests"] > 0 and info["max_client_batch_size"] >= 1
     assert isinstance(info["sampling_defaults"], dict)
 

@@ -5,7 +5,9 @@ and a proposal is kept only where the target drew that very token), a token draw
 proposal waited must follow transformers' distribution, and no block may leak."""
 from collections import Counter
 
+import httpx
 import numpy as np
+import openai
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -134,6 +136,7 @@ def test_sampled_tokens_and_logprobs_equal_no_speculation(smollm2):
 
 def test_mixed_batch_n_best_of_and_stops_equal_no_speculation(smollm2):
     plain, spec, prompts = smollm2
+    prompts = prompts + prompts[:1]
     tokenizer = spec.engine.tokenizer
     greedy = plain.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=30))
     params = [
@@ -143,6 +146,7 @@ def test_mixed_batch_n_best_of_and_stops_equal_no_speculation(smollm2):
         SamplingParams(temperature=0.8, n=3, best_of=4, seed=7, max_tokens=16),
         SamplingParams(temperature=0, max_tokens=25, repetition_penalty=1.3),  # never drafts
         SamplingParams(temperature=0, max_tokens=25, speculative=False),
+        SamplingParams(temperature=0.7, seed=3, max_tokens=25, watermark=True),
     ]
     ours, theirs = spec.generate(prompts, params), plain.generate(prompts, params)
     for a, b in zip(ours, theirs):
@@ -225,3 +229,15 @@ def test_served_speculation_counts_drafts_and_logs_acceptance(smollm2_repo, smol
             "temperature": 0, "max_tokens": 40, "speculative": False}, stream=False)
         assert error is None and text_of(results[-1]) == expected
         assert delta(after, scrape(server), "spec_decode_num_draft_tokens_total") == 0
+        # The front end: TGI's /info reports the proposals per step; OpenAI's requests may
+        # turn speculation off (an extension, as vLLM's extra keys are).
+        assert httpx.get(f"{server.frontend_url}/info").json()["speculate"] == 4
+        client = openai.OpenAI(base_url=f"{server.frontend_url}/v1", api_key="none")
+        before = scrape(server)
+        for speculative in (False, True):
+            completion = client.completions.create(
+                model="llm", prompt=prompt, max_tokens=40, temperature=0,
+                extra_body={"speculative": speculative})
+            assert completion.choices[0].text == expected
+            drafted = delta(before, scrape(server), "spec_decode_num_draft_tokens_total")
+            assert (drafted > 0) == speculative

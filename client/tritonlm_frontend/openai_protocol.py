@@ -55,6 +55,7 @@ class _SamplingFields(_Lenient):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     response_format: dict[str, Any] | None = None
+    speculative: bool | None = None  # tritonlm's: false turns speculative decoding off
 
     def sampling(self) -> dict[str, Any]:
         """The engine's sampling keys for the fields this request set."""
@@ -100,7 +101,7 @@ _PASSED_THROUGH = ("max_tokens", "temperature", "top_p", "stop", "seed", "presen
                    "min_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens",
                    "include_stop_str_in_output", "truncate_prompt_tokens", "stream_interval",
                    "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                   "guided_grammar")
+                   "guided_grammar", "speculative")
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -241,6 +241,7 @@ async def info(request: Request):
         "max_total_tokens": max_total, "validation_workers": 1, "max_client_batch_size": 1,
         "router": "tritonlm", "version": _version(), "sha": None, "docker_label": None,
         "sampling_defaults": model.sampling_defaults,
+        "speculate": int(loaded.get("speculate", 0)),  # tokens proposed per step
     }
 
 

@@ -4,6 +4,7 @@ next to HF transformers and vLLM on the same requests.
 
   tritonlm-bench --mode offline serve --concurrency 32 --compare hf vllm --rounds 3 --json out.json
   tritonlm-bench --mode serve --protocol grpc openai tgi --concurrency 32 --rounds 3
+  tritonlm-bench --workload grounded --speculative ngram --offline-concurrency 1 --num-requests 8
 """
 import argparse
 import statistics
@@ -12,7 +13,7 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from tritonlm.bench import metrics, report, workloads
+from tritonlm.bench import chat_workloads, metrics, report, workloads
 from tritonlm.bench import systems
 from tritonlm.config import DTYPES, WEIGHTS_DIR, EngineConfig
 from tritonlm.engine.auto_dtype import resolve_dtype
@@ -55,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "auto: the engine's choice for this machine")
     p.add_argument("--mode", nargs="+", choices=("offline", "serve"), default=["offline"])
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=("fixed", "random", "shared-prefix", "sharegpt"),
-                   default="fixed")
+    w.add_argument("--workload", choices=("fixed", "random", "shared-prefix", "sharegpt",
+                                          "grounded", "chat"), default="fixed",
+                   help="grounded: chat requests to edit or restate a given text or code; chat: "
+                        "open questions (bench/chat_workloads.py)")
     w.add_argument("--num-requests", type=int, default=32)
     w.add_argument("--input-len", type=int, default=128, help="fixed; shared-prefix: suffix")
     w.add_argument("--output-len", type=int, default=128)
@@ -84,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stream-interval", type=lambda t: [_positive(v) for v in t.split(",")],
                    default=[1], help="tokens per streamed response after the first (the "
                    "stream_interval sampling key), one series per value (e.g. 1,4)")
+    w.add_argument("--offline-concurrency", type=_positive, metavar="N",
+                   help="offline: requests in the engine at once, the next added as one "
+                        "finishes (default: all at once)")
+    spec = p.add_argument_group("speculative decoding (offline)")
+    spec.add_argument("--speculative", choices=("ngram",),
+                      help="also time the engine with this speculation, beside the one without")
+    spec.add_argument("--num-speculative-tokens", type=_positive, default=4, metavar="K")
     c = p.add_argument_group("comparison and output")
     c.add_argument("--compare", nargs="*", choices=("hf", "vllm"), default=[])
     c.add_argument("--compare-dtypes", nargs="+", choices=DTYPES, metavar="DTYPE",
@@ -120,10 +130,12 @@ def build_workload(args, model_dir: Path) -> list[workloads.BenchRequest]:
     if args.workload == "shared-prefix":
         return workloads.shared_prefix(n, args.prefix_len, args.input_len, args.output_len,
                                        vocab, seed)
-    if args.dataset is None:
-        raise SystemExit("--workload sharegpt needs --dataset FILE")
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model_dir) / WEIGHTS_DIR)
+    if args.workload in ("grounded", "chat"):
+        return chat_workloads.chat_requests(args.workload, tokenizer, n, args.output_len)
+    if args.dataset is None:
+        raise SystemExit("--workload sharegpt needs --dataset FILE")
     max_len = EngineConfig.load(resolve_model_dir(model_dir)).max_model_len
     return workloads.sharegpt(args.dataset, lambda t: tokenizer.encode(t, add_special_tokens=False),
                               n, max_len, seed)
@@ -146,7 +158,8 @@ def median_runs(contenders: list[systems.System], summaries: dict[str, list[dict
         runs.append({**ordered[(len(ordered) - 1) // 2], **system.extra,
                      "rounds_output_tokens_per_s": [s["output_tokens_per_s"]
                                                     for s in summaries[system.name]],
-                     "rounds_ttft_p50_ms": [s["ttft_ms"]["p50"] for s in summaries[system.name]]})
+                     "rounds_ttft_p50_ms": [s["ttft_ms"]["p50"] for s in summaries[system.name]],
+                     "rounds_tpot_p50_ms": [s["tpot_ms"]["p50"] for s in summaries[system.name]]})
     return runs
 
 
@@ -196,6 +209,8 @@ def main(argv=None) -> None:
         print(f"  {ours} / {name}: {vs[name]:.2f}x output tokens/s{spread}")
     versus_grpc = report.versus_grpc(runs)
     report.print_versus_grpc(versus_grpc)
+    speculation = report.speculation(runs, f" + {args.speculative}")
+    report.print_speculation(speculation)
     for mode, probe in prefix.items():
         print(f"  shared {probe['prefix_tokens']}-token prefix ({mode}): TTFT cold "
               f"{probe['ttft_cold_ms']:.1f} ms, warm {probe['ttft_warm_ms']:.1f} ms "
@@ -215,7 +230,7 @@ def main(argv=None) -> None:
     if args.json:
         report.write_json(args.json, {"title": title, "dtype": config.dtype, "runs": runs,
                                       "ratios": vs, "ratio_rounds": ratio_rounds,
-                                      "versus_grpc": versus_grpc,
+                                      "versus_grpc": versus_grpc, "speculation": speculation,
                                       "prefix_cache": prefix})
     if args.plot:
         report.plot(args.plot, runs)

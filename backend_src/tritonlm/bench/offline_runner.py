@@ -18,15 +18,23 @@ def warm_up(engine: LLMEngine, requests: list[BenchRequest]) -> None:
     engine.block_manager.reset_prefix_cache()
 
 
-def run_offline(engine: LLMEngine, requests: list[BenchRequest], on_done=lambda: None
-                ) -> tuple[list[RequestRecord], float]:
+def run_offline(engine: LLMEngine, requests: list[BenchRequest], on_done=lambda: None,
+                concurrency: int | None = None) -> tuple[list[RequestRecord], float]:
+    """All requests at once, or `concurrency` at a time (the next added as one finishes)."""
     records: dict[str, RequestRecord] = {}
+    pending = iter(enumerate(requests))
+
+    def add_next() -> None:
+        i, request = next(pending, (None, None))
+        if request is not None:
+            prepared = engine.make_request(f"bench-{i}", request.prompt_token_ids,
+                                           greedy_params(request.output_len))
+            engine.add(prepared)
+            records[prepared.request_id] = RequestRecord(len(request.prompt_token_ids),
+                                                         time.perf_counter())
     start = time.perf_counter()
-    for i, request in enumerate(requests):
-        prepared = engine.make_request(f"bench-{i}", request.prompt_token_ids,
-                                       greedy_params(request.output_len))
-        engine.add(prepared)
-        records[prepared.request_id] = RequestRecord(len(request.prompt_token_ids), start)
+    for _ in range(concurrency or len(requests)):
+        add_next()
     while engine.has_unfinished:
         outputs = engine.step()
         now = time.perf_counter()
@@ -36,4 +44,5 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], on_done=lambda:
             record.add_tokens(sum(len(s.token_ids) for s in output.sequences), now)
             if output.finished:
                 on_done()
+                add_next()
     return list(records.values()), time.perf_counter() - start

@@ -81,6 +81,34 @@ def print_versus_grpc(versus: dict[str, dict]) -> None:
               f"median TTFT {v['ttft_p50_diff_ms']:+.1f} ms{ttft_spread}")
 
 
+def speculation(runs: list[dict], suffix: str) -> dict[str, dict]:
+    """Each run of a speculative series (its name ends in `suffix`) against the run without it at
+    the same concurrency: TPOT (p50) without over with, and output tokens/s with over without,
+    round by round, and the median round of each."""
+    plain = {(run["series"], run.get("concurrency")): run for run in runs if "series" in run}
+    versus = {}
+    for run in runs:
+        base = plain.get((run.get("series", "").removesuffix(suffix), run.get("concurrency")))
+        if not run.get("series", "").endswith(suffix) or base is None:
+            continue
+        tpot = [b / a for a, b in zip(run["rounds_tpot_p50_ms"], base["rounds_tpot_p50_ms"])]
+        speed = [a / b for a, b in zip(run["rounds_output_tokens_per_s"],
+                                       base["rounds_output_tokens_per_s"])]
+        versus[run["system"]] = {"base": base["system"], "tpot_lower": tpot,
+                                 "tokens_per_s_higher": speed,
+                                 "tpot_lower_median": statistics.median_low(tpot),
+                                 "tokens_per_s_higher_median": statistics.median_low(speed)}
+    return versus
+
+
+def print_speculation(versus: dict[str, dict]) -> None:
+    for name, v in versus.items():
+        tpot, speed = v["tpot_lower"], v["tokens_per_s_higher"]
+        print(f"  {name} vs {v['base']}: TPOT {v['tpot_lower_median']:.2f}x lower (rounds "
+              f"{min(tpot):.2f}x..{max(tpot):.2f}x), output tokens/s "
+              f"{v['tokens_per_s_higher_median']:.2f}x (rounds {min(speed):.2f}x..{max(speed):.2f}x)")
+
+
 def write_json(path: Path, report: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, allow_nan=True))

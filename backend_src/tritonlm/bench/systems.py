@@ -48,11 +48,18 @@ def prefix_probe(args, vocab_size: int, run_one_at_a_time) -> dict:
 @contextmanager
 def offline(args, model_dir: Path, requests: list[BenchRequest], vocab_size: int
             ) -> Iterator[list[System]]:
+    """Our engine, and beside it (--speculative) the engine with speculation."""
     from tritonlm.bench.offline_runner import run_offline, warm_up
     from tritonlm.engine.llm_engine import LLMEngine
     engine = LLMEngine(model_dir)
+    engines = {OURS: engine}
     try:
-        warm_up(engine, requests)
+        if args.speculative:
+            engines[f"{OURS} + {args.speculative}"] = LLMEngine(
+                model_dir, speculative=args.speculative,
+                num_speculative_tokens=args.num_speculative_tokens)
+        for each in engines.values():
+            warm_up(each, requests)
         extra = {}
         if args.workload == "shared-prefix":
             extra["prefix_cache"] = prefix_probe(args, vocab_size, lambda probe: [
@@ -61,13 +68,21 @@ def offline(args, model_dir: Path, requests: list[BenchRequest], vocab_size: int
             from tritonlm.bench.roofline import measure
             extra["roofline"] = measure(engine)
 
-        def run() -> dict:
-            engine.block_manager.reset_prefix_cache()  # no run reuses an earlier one's prompts
-            return _timed(OURS, requests, lambda done: run_offline(engine, requests, done),
-                          args.slo)
-        yield [System(OURS, run, extra)]
+        concurrency = args.offline_concurrency
+
+        def system(name: str, engine: LLMEngine) -> System:
+            label = name if concurrency is None else f"{name} c={concurrency}"
+
+            def run() -> dict:
+                engine.block_manager.reset_prefix_cache()  # no run reuses an earlier one's prompts
+                return _timed(label, requests,
+                              lambda done: run_offline(engine, requests, done, concurrency),
+                              args.slo, series=name, concurrency=concurrency)
+            return System(label, run, extra if engine is engines[OURS] else {})
+        yield [system(name, each) for name, each in engines.items()]
     finally:
-        engine.shutdown()
+        for each in engines.values():
+            each.shutdown()
 
 
 FRONT_END_PROTOCOLS = ("openai", "tgi")  # served by tritonlm-frontend

@@ -117,12 +117,19 @@ class Scheduler:
             room = seq.max_total_tokens - seq.num_tokens  # tokens past the limit are dropped
             if seq.last_accepted is not None:
                 room = min(room, 2 * seq.last_accepted + 2)
-            if (room > 0 and seq.num_uncomputed_tokens == 1 and seq.params.speculative
-                    and seq.encoder_token_ids is None and self._samples_on_device(seq)):
+            if room > 0 and seq.num_uncomputed_tokens == 1 and self._may_speculate(seq):
                 draft = self.proposer.propose(seq.token_ids, room)
                 if draft:
                     drafts[seq.seq_id] = draft
         return drafts
+
+    def _may_speculate(self, seq: Sequence) -> bool:
+        """Its draws after each proposal need no host state that the proposals before it change
+        (a watermark's green list is seeded by the row's own input token: they may)."""
+        p = seq.params
+        return (p.speculative and seq.encoder_token_ids is None and p.constraint is None
+                and not p.uses_penalties and not seq.bad_words_ids
+                and seq.num_output_tokens >= p.min_tokens)
 
     def _decode_run_length(self) -> int:
         """How many decode steps the running batch may take in a row: as many as the run may

@@ -49,7 +49,8 @@ class TritonPythonModel:
         self.engine.observers.append(TritonMetrics(
             self.model_name, args["model_version"], self.engine.max_model_len,
             {"dtype": config.dtype, "kv_cache_dtype": config.kv_cache_dtype,
-             "device": str(self.engine.runner.device)}))
+             "device": str(self.engine.runner.device),
+             "speculate": str(config.num_speculative_tokens if config.speculative else 0)}))
         endpoint = otlp_endpoint(self.engine.config.otlp_endpoint)
         self.tracer = RequestTracer(endpoint) if endpoint else None
         if self.tracer is not None:
