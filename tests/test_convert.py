@@ -378,7 +378,17 @@ def test_speculative_settings_are_recorded_and_checked(tiny, tmp_path, capsys):
         main([str(tiny[0]), "--output", str(tmp_path / "other"), "--speculative", "ngram",
               "--num-speculative-tokens", "0"])
     assert "num_speculative_tokens must be >= 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_draft_model_is_recorded_by_its_absolute_path(tiny, tmp_path, capsys, monkeypatch):
+    main([str(tiny[0]), "--output", str(tmp_path / "draft"), "--dtype", "float32"])
+    monkeypatch.chdir(tmp_path)
+    main([str(tiny[0]), "--output", str(tmp_path / "repo"), "--speculative", "draft/llm"])
+    config = EngineConfig.load(tmp_path / "repo" / "llm" / "1")
+    assert config.speculative == str(tmp_path / "draft" / "llm" / "1")
     with pytest.raises(SystemExit):
-        main([str(tiny[0]), "--output", str(tmp_path / "other"), "--speculative", "medusa"])
-    assert "invalid choice: 'medusa'" in capsys.readouterr().err
+        main([str(tiny[0]), "--output", str(tmp_path / "other"), "--speculative", "nowhere"])
+    error = capsys.readouterr().err
+    assert "--speculative:" in error and "nowhere" in error
     assert not (tmp_path / "other").exists()

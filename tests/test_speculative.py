@@ -189,7 +189,7 @@ def test_token_drawn_at_a_proposal_follows_transformers_distribution(smollm2, sm
     copied text's next token), given the most common first token, against transformers'."""
     _, spec, prompts = smollm2
     num_samples, batch = 3000, 50  # batches under speculative_disable_by_batch_size
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=2, ignore_eos=True)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=3, ignore_eos=True)
               for s in range(num_samples)]
     drafted = counters(spec)[0]
     outputs = [o.token_ids for start in range(0, num_samples, batch)

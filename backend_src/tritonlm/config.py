@@ -44,9 +44,10 @@ class EngineConfig:
     # one rank) and only take sequences whose sampling needs no host state between tokens.
     num_scheduler_steps: int | None = None
     # Speculative decoding (engine/speculation.py, vLLM's names): "ngram" (prompt lookup of
-    # prompt_lookup_max down to prompt_lookup_min tokens) proposes num_speculative_tokens tokens
-    # a step that one target step verifies, while fewer than speculative_disable_by_batch_size
-    # sequences run (above that, a step is bound by compute, not by reading the weights).
+    # prompt_lookup_max down to prompt_lookup_min tokens) or a draft model's repository proposes
+    # up to num_speculative_tokens tokens a step that one target step verifies, while fewer
+    # than speculative_disable_by_batch_size sequences run (above that, a step is bound by
+    # compute, not by reading the weights).
     speculative: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
@@ -85,8 +86,10 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
     def _check_speculative(self) -> None:
-        if self.speculative not in (None, "ngram"):
-            raise ValueError(f"speculative must be null or \"ngram\", got {self.speculative!r}")
+        if self.speculative is not None and not (isinstance(self.speculative, str)
+                                                 and self.speculative.strip()):
+            raise ValueError(f"speculative must be null, \"ngram\" or a draft model's "
+                             f"repository, got {self.speculative!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min",
                      "speculative_disable_by_batch_size"):
             if getattr(self, name) < 1:

@@ -91,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="offline: requests in the engine at once, the next added as one "
                         "finishes (default: all at once)")
     spec = p.add_argument_group("speculative decoding (offline)")
-    spec.add_argument("--speculative", choices=("ngram",),
-                      help="also time the engine with this speculation, beside the one without")
+    spec.add_argument("--speculative", metavar="ngram|DRAFT_REPO",
+                      help="also time the engine with this speculation (prompt lookup, or a "
+                           "converted draft model REPO/NAME), beside the one without")
     spec.add_argument("--num-speculative-tokens", type=_positive, default=4, metavar="K")
     c = p.add_argument_group("comparison and output")
     c.add_argument("--compare", nargs="*", choices=("hf", "vllm"), default=[])
@@ -209,7 +210,7 @@ def main(argv=None) -> None:
         print(f"  {ours} / {name}: {vs[name]:.2f}x output tokens/s{spread}")
     versus_grpc = report.versus_grpc(runs)
     report.print_versus_grpc(versus_grpc)
-    speculation = report.speculation(runs, f" + {args.speculative}")
+    speculation = report.speculation(runs, systems.speculation_suffix(args.speculative))
     report.print_speculation(speculation)
     for mode, probe in prefix.items():
         print(f"  shared {probe['prefix_tokens']}-token prefix ({mode}): TTFT cold "

@@ -45,6 +45,11 @@ def prefix_probe(args, vocab_size: int, run_one_at_a_time) -> dict:
             "ttft_cold_ms": cold, "ttft_warm_ms": warm, "cold_over_warm": cold / warm}
 
 
+def speculation_suffix(speculative: str | None) -> str:
+    """How a speculative engine's name ends: " + ngram", or " + draft" for a draft model."""
+    return "" if speculative is None else " + ngram" if speculative == "ngram" else " + draft"
+
+
 @contextmanager
 def offline(args, model_dir: Path, requests: list[BenchRequest], vocab_size: int
             ) -> Iterator[list[System]]:
@@ -55,9 +60,10 @@ def offline(args, model_dir: Path, requests: list[BenchRequest], vocab_size: int
     engines = {OURS: engine}
     try:
         if args.speculative:
-            engines[f"{OURS} + {args.speculative}"] = LLMEngine(
-                model_dir, speculative=args.speculative,
-                num_speculative_tokens=args.num_speculative_tokens)
+            draft = args.speculative if args.speculative == "ngram" else str(
+                Path(args.speculative).resolve())
+            engines[OURS + speculation_suffix(args.speculative)] = LLMEngine(
+                model_dir, speculative=draft, num_speculative_tokens=args.num_speculative_tokens)
         for each in engines.values():
             warm_up(each, requests)
         extra = {}

@@ -17,10 +17,10 @@ from tritonlm.engine.detokenizer import IncrementalDetokenizer
 from tritonlm.engine.generation_config import read_generation_config, sampling_defaults
 from tritonlm.distributed.ranks import RankGroup
 from tritonlm.engine.model_runner import ModelRunner, resolve_device
-from tritonlm.engine.ngram_proposer import NgramProposer
 from tritonlm.engine.request_builder import Request, RequestBuilder
 from tritonlm.engine.request_state import RequestOutput, RequestState
 from tritonlm.engine.scheduler import Scheduler
+from tritonlm.engine.speculation import make_proposer
 from tritonlm.engine.sequence import FinishReason, Sequence
 from tritonlm.engine.stats import (EngineObserver, FinishedRequest, RateLimitedWarning,
                                    RequestTimeline, StepStats)
@@ -87,7 +87,7 @@ class LLMEngine:
                                    self.config.max_num_batched_tokens,
                                    self._eos_token_ids(generation_config),
                                    self.runner.max_decode_run,
-                                   NgramProposer.from_config(self.config),
+                                   make_proposer(self.config, model_dir, self.tokenizer),
                                    self.config.speculative_disable_by_batch_size)
         # The model's recommended sampling keys, for requests that leave them unset.
         self.sampling_defaults = sampling_defaults(generation_config)

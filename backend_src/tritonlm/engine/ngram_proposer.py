@@ -1,14 +1,10 @@
 """Prompt lookup (vLLM's `ngram` speculation): the longest n-gram ending the sequence that occurred
 earlier in its prompt + output proposes the tokens that followed its most recent occurrence.
 Plain numpy: each n is one comparison over the context's sliding windows, no Python scan."""
-import logging
-
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from tritonlm.config import EngineConfig
-
-logger = logging.getLogger(__name__)
+from tritonlm.engine.sequence import Sequence
 
 
 def propose_ngram(token_ids: list[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
@@ -32,16 +28,13 @@ class NgramProposer:
     def __init__(self, num_tokens: int, min_n: int, max_n: int):
         self.num_tokens, self.min_n, self.max_n = num_tokens, min_n, max_n
 
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> "NgramProposer | None":
-        if config.speculative is None:
-            return None
-        logger.info("speculative decoding: %s, up to %d tokens a step (n-grams of %d..%d), "
-                    "while fewer than %d sequences run", config.speculative,
-                    config.num_speculative_tokens, config.prompt_lookup_min,
-                    config.prompt_lookup_max, config.speculative_disable_by_batch_size)
-        return cls(config.num_speculative_tokens, config.prompt_lookup_min,
-                   config.prompt_lookup_max)
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> dict[int, list[int]]:
+        drafts = {}
+        for seq, limit in zip(seqs, limits):
+            if limit > 0:
+                drafts[seq.seq_id] = propose_ngram(seq.token_ids, min(self.num_tokens, limit),
+                                                   self.min_n, self.max_n)
+        return drafts
 
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
-        return propose_ngram(token_ids, min(self.num_tokens, limit), self.min_n, self.max_n)
+    def release(self, seq_id: int) -> None:
+        pass  # nothing is held per sequence

@@ -2,15 +2,15 @@
 from collections import deque
 
 from tritonlm.engine.block_manager import BlockManager
-from tritonlm.engine.ngram_proposer import NgramProposer
 from tritonlm.engine.sequence import FinishReason, Sequence, SequenceStatus
+from tritonlm.engine.speculation import Proposer
 from tritonlm.engine.step_plan import SampledToken, SamplingRow, ScheduledChunk, StepPlan
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, eos_token_ids: frozenset[int],
-                 max_decode_run: int = 1, proposer: NgramProposer | None = None,
+                 max_decode_run: int = 1, proposer: Proposer | None = None,
                  max_speculating_batch: int = 0):
         """`max_decode_run`: the most decode steps one plan may ask for in a row (StepPlan.
         num_steps); 1 where the runner cannot chain them. `proposer`: drafts for speculative
@@ -110,18 +110,19 @@ class Scheduler:
         costs a row of compute, and where the output stopped copying they are mostly wasted
         (SmolLM2 editing code at batch 1 on 2 Cascade Lake cores: 4 drafts a step 13.9 ms a
         token, this rule 12.7, no speculation 20.4)."""
-        if self.proposer is None or len(self.running) >= self.max_speculating_batch:
+        if self.proposer is None:
             return {}
-        drafts = {}
-        for seq in self.running:
-            room = seq.max_total_tokens - seq.num_tokens  # tokens past the limit are dropped
-            if seq.last_accepted is not None:
-                room = min(room, 2 * seq.last_accepted + 2)
-            if room > 0 and seq.num_uncomputed_tokens == 1 and self._may_speculate(seq):
-                draft = self.proposer.propose(seq.token_ids, room)
-                if draft:
-                    drafts[seq.seq_id] = draft
-        return drafts
+        limits = [0] * len(self.running)  # none: the proposer only lets finished ones go
+        if len(self.running) < self.max_speculating_batch:
+            for i, seq in enumerate(self.running):
+                # the last token to generate needs no proposal: it is drawn anyway
+                room = seq.max_total_tokens - seq.num_tokens - 1
+                if seq.last_accepted is not None:
+                    room = min(room, 2 * seq.last_accepted + 2)
+                if seq.num_uncomputed_tokens == 1 and self._may_speculate(seq):
+                    limits[i] = room
+        drafts = self.proposer.propose(self.running, limits)
+        return {seq_id: draft for seq_id, draft in drafts.items() if draft}
 
     def _may_speculate(self, seq: Sequence) -> bool:
         """Its draws after each proposal need no host state that the proposals before it change
@@ -249,14 +250,14 @@ class Scheduler:
                             and seq.token_ids[-1] != chunk.token_ids[verified + step - 1])):
                     continue
                 seq.num_computed_tokens += 1
-                if chunk.num_draft_tokens:
-                    seq.num_accepted_tokens += 1
-                    seq.last_accepted += 1
-                    self.num_accepted_tokens += 1
             self.block_manager.cache_full_blocks(seq)
             if chunk.sampling is None:
                 continue
             result = sampled[chunk.seq_id]
+            if step < chunk.num_draft_tokens and result.token == chunk.token_ids[verified + step]:
+                seq.num_accepted_tokens += 1
+                seq.last_accepted += 1
+                self.num_accepted_tokens += 1
             seq.append(result)
             grown.append(seq)
             reason, stop_reason = self._token_finish_reason(seq, result.token)
@@ -291,6 +292,8 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self._finished_ids.append(seq.seq_id)

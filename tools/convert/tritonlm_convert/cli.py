@@ -58,9 +58,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="CUDA: the fraction of each GPU the instance may use, weights and "
                              "activations included; the KV cache gets the rest (default: 0.9)")
     speculation = parser.add_argument_group("speculative decoding")
-    speculation.add_argument("--speculative", choices=("ngram",),
+    speculation.add_argument("--speculative", metavar="ngram|DRAFT_REPO",
                              help="ngram: prompt lookup proposes tokens that one step verifies, "
-                                  "while the batch is small (default: off)")
+                                  "while the batch is small; or a converted draft model "
+                                  "(REPO/NAME) with this model's vocabulary (default: off)")
     speculation.add_argument("--num-speculative-tokens", type=int, metavar="K",
                              help="tokens proposed per sequence and step (default: 4)")
     return parser

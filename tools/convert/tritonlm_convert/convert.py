@@ -148,6 +148,15 @@ def load_chat_template(tokenizer, path: str | Path) -> str:
     return template
 
 
+def draft_model_dir(path: str) -> Path:
+    """A draft model's converted model directory (REPO/NAME), as an absolute path."""
+    from tritonlm.engine.llm_engine import resolve_model_dir
+    try:
+        return resolve_model_dir(Path(path).resolve())
+    except FileNotFoundError as error:
+        raise ConversionError(f"--speculative: {error}") from error
+
+
 def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto",
             max_model_len: int | None = None, trust_pickle: bool = False,
             instance_kind: str | None = None, chat_template: str | Path | None = None,
@@ -172,6 +181,8 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
     source = open_source(src, trust_pickle)
     dtype, stored_dtype = resolve_dtype(dtype, source.stored_dtype)
     resolved = resolve_config(source.raw_config)
+    if speculative not in (None, "ngram"):
+        speculative = str(draft_model_dir(speculative))
     settings = {name: value for name, value in (
         ("kv_cache_memory", kv_cache_memory), ("gpu_memory_utilization", gpu_memory_utilization),
         ("speculative", speculative), ("num_speculative_tokens", num_speculative_tokens))

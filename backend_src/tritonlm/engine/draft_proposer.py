@@ -1,0 +1,109 @@
+"""A draft model proposes: a smaller model with the target's vocabulary (a quantized copy of it,
+say) runs greedy decode steps of its own, batched over the sequences that speculate, on its own
+model runner and paged KV cache. Its proposals are its greedy tokens, so the target's
+verification keeps each with the probability the target gives it (the point-mass rule, exact
+for any sampling), as for prompt lookup."""
+import logging
+from pathlib import Path
+
+from tritonlm.config import WEIGHTS_DIR, EngineConfig
+from tritonlm.distributed import parallel_state
+from tritonlm.engine.block_manager import BlockManager
+from tritonlm.engine.model_runner import ModelRunner
+from tritonlm.engine.sequence import Sequence
+from tritonlm.engine.step_plan import SamplingRow, ScheduledChunk, StepPlan
+from tritonlm.models.loader import load_config
+from tritonlm.models.registry import context_limit
+from tritonlm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+_GREEDY = SamplingRow(SamplingParams(temperature=0), seed=0, output_index=0, banned=())
+
+
+class DraftModelProposer:
+    def __init__(self, draft_dir: Path, config: EngineConfig, tokenizer):
+        from tritonlm.engine.llm_engine import resolve_model_dir
+        if parallel_state.current().world_size > 1 or config.tensor_parallel_size > 1:
+            raise ValueError("a draft model cannot speculate for a tensor-parallel target yet")
+        draft_dir = resolve_model_dir(draft_dir)
+        weights = draft_dir / WEIGHTS_DIR
+        hf_config = load_config(weights)
+        draft_tokenizer_vocab = _vocab(weights)
+        if draft_tokenizer_vocab != tokenizer.get_vocab():
+            raise ValueError(f"the draft model {draft_dir} has another vocabulary than the "
+                             "target's: it cannot propose the target's tokens")
+        self.num_tokens = config.num_speculative_tokens
+        self.max_len = min(config.max_model_len, context_limit(hf_config))
+        draft = EngineConfig.load(draft_dir, device=config.device, max_model_len=self.max_len,
+                                  max_num_seqs=config.speculative_disable_by_batch_size,
+                                  enable_prefix_caching=False)
+        # Its cache holds every speculating sequence at its longest.
+        per_seq = -(-(self.max_len + self.num_tokens) // draft.block_size)
+        draft.num_kv_blocks = per_seq * config.speculative_disable_by_batch_size
+        self.runner = ModelRunner(draft, hf_config, weights)
+        self.blocks = BlockManager(self.runner.num_blocks, draft.block_size, False)
+        # The draft's copy of each speculating sequence: the target's tokens, then its own
+        # proposals; its KV is computed for a prefix of them.
+        self.mirrors: dict[int, Sequence] = {}
+        self.synced: dict[int, int] = {}  # the target's length when its mirror last took it
+        logger.info("draft model %s (%s, %d KV blocks) proposes up to %d tokens a step",
+                    draft_dir, draft.dtype, self.runner.num_blocks, self.num_tokens)
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> dict[int, list[int]]:
+        running = {seq.seq_id for seq in seqs}
+        for seq_id in [i for i in self.mirrors if i not in running]:  # preempted
+            self.release(seq_id)
+        limits = {seq.seq_id: min(limit, self.num_tokens, self.max_len - seq.num_tokens)
+                  for seq, limit in zip(seqs, limits)}
+        active = [self._synced(seq) for seq in seqs if limits[seq.seq_id] > 0]
+        drafts = {mirror.seq_id: [] for mirror in active}
+        while active:
+            # NOTE: the cache holds every mirror at its longest (see __init__): grow never fails.
+            plan = StepPlan()
+            for mirror in active:
+                new = mirror.num_uncomputed_tokens
+                self.blocks.grow(mirror, new)
+                # A few tokens to catch up on (the target kept every proposal, then drew one)
+                # run as decode rows, as the target verifies: the decode kernels and programs
+                # rather than an eager prefill step; the token drawn after the last is the one.
+                rows = new - 1 if new <= self.num_tokens + 1 else 0
+                plan.chunks.append(ScheduledChunk(
+                    mirror.seq_id, mirror.token_ids[mirror.num_computed_tokens:],
+                    mirror.num_computed_tokens, list(mirror.block_table), _GREEDY,
+                    mirror.num_prompt_tokens, track_tokens=False, num_draft_tokens=rows))
+            sampled = self.runner.execute(plan).sampled
+            for mirror, chunk in zip(active, plan.chunks):
+                mirror.num_computed_tokens = mirror.num_tokens
+                mirror.token_ids.append(sampled[chunk.num_draft_tokens][mirror.seq_id].token)
+                drafts[mirror.seq_id].append(mirror.token_ids[-1])
+            active = [m for m in active if len(drafts[m.seq_id]) < limits[m.seq_id]]
+        return drafts
+
+    def release(self, seq_id: int) -> None:
+        mirror = self.mirrors.pop(seq_id, None)
+        if mirror is not None:
+            self.blocks.free(mirror)
+            del self.synced[seq_id]
+
+    def _synced(self, seq: Sequence) -> Sequence:
+        """The draft's copy of `seq` holding its tokens, its KV kept for their common prefix
+        with the tokens it had: the target's tokens at the last sync, then the proposals that
+        the target kept, if any."""
+        mirror = self.mirrors.get(seq.seq_id)
+        if mirror is None:
+            mirror = self.mirrors[seq.seq_id] = Sequence(
+                seq.seq_id, seq.request_id, seq.token_ids, _GREEDY.params, 0, self.max_len)
+            self.synced[seq.seq_id] = seq.num_tokens
+        common = self.synced[seq.seq_id]
+        while (common < min(mirror.num_tokens, seq.num_tokens)
+               and mirror.token_ids[common] == seq.token_ids[common]):
+            common += 1
+        mirror.token_ids[common:] = seq.token_ids[common:]
+        mirror.num_computed_tokens = min(mirror.num_computed_tokens, common)
+        self.synced[seq.seq_id] = seq.num_tokens
+        return mirror
+
+
+def _vocab(weights: Path) -> dict[str, int]:
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(weights).get_vocab()

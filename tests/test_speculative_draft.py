@@ -1,0 +1,112 @@
+"""Speculative decoding with a draft model (engine/draft_proposer.py): a converted repository with
+the target's vocabulary proposes its greedy tokens from its own paged KV cache. Outputs must be
+transformers' (greedy) and the engine's without speculation (sampled); the target itself as the
+draft must have every proposal kept (its KV copy of each sequence stays right as the target keeps
+some proposals and draws others); both caches end empty."""
+import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import hf_greedy, run_convert
+from family_check import random_prompts, reference_greedy, save_tiny
+from test_speculative import TASKS, assert_all_blocks_free, counters, repeating_prompts
+from tritonlm import LLM, SamplingParams
+
+LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2_tokenizer):
+    """A tiny target, and another tiny model of the same vocabulary (other weights)."""
+    from tritonlm_convert.convert import convert
+    directory = tmp_path_factory.mktemp("draft")
+    config = LlamaConfig(**LLAMA, vocab_size=len(smollm2_tokenizer))
+    hf = save_tiny(directory / "hf", LlamaForCausalLM, config, smollm2_tokenizer)
+    target = convert(str(directory / "hf"), directory / "repo", dtype="float32")
+    other = LlamaForCausalLM(LlamaConfig(**{**LLAMA, "num_hidden_layers": 1},
+                                         vocab_size=len(smollm2_tokenizer)))
+    other.save_pretrained(directory / "other-hf")
+    smollm2_tokenizer.save_pretrained(directory / "other-hf")
+    return hf, target, convert(str(directory / "other-hf"), directory / "other", dtype="float32")
+
+
+def speculating(repo, draft, **settings) -> LLM:
+    return LLM(str(repo), **{"speculative": str(draft), "num_speculative_tokens": 3,
+                             "speculative_disable_by_batch_size": 16, "block_size": 8,
+                             **settings})
+
+
+def assert_draft_cache_empty(llm: LLM) -> None:
+    proposer = llm.engine.scheduler.proposer
+    assert not proposer.mirrors and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+
+
+def test_the_target_as_its_own_draft_has_every_proposal_kept(tiny):
+    hf, target, _ = tiny
+    llm = speculating(target, target)
+    prompts = random_prompts(4, 2000, seed=11)
+    lengths = [10, 17, 23, 30]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [reference_greedy(hf, p, n)
+                                              for p, n in zip(prompts, lengths)]
+    drafted, accepted = counters(llm)
+    assert drafted == accepted > sum(lengths) / 2
+    assert_all_blocks_free(llm)
+    assert_draft_cache_empty(llm)
+
+
+def test_another_draft_keeps_outputs_with_preemption_and_cancellation(tiny):
+    hf, target, other = tiny
+    plain = LLM(str(target), block_size=8)
+    llm = speculating(target, other, num_kv_blocks=20, max_num_seqs=6)
+    prompts = repeating_prompts(6, seed=12)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == [
+        reference_greedy(hf, p, 24) for p in prompts]
+    assert llm.engine.scheduler.num_preemptions > 0 and counters(llm)[0] > 0
+    sampled = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=20, logprobs=1,
+                              ignore_eos=True) for i in range(len(prompts))]
+    for a, b in zip(llm.generate(prompts, sampled), plain.generate(prompts, sampled)):
+        assert a.token_ids == b.token_ids
+    assert_all_blocks_free(llm)
+    assert_draft_cache_empty(llm)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts[:3]):
+        engine.add(engine.make_request(f"cut{i}", prompt, SamplingParams(
+            temperature=0, max_tokens=200, ignore_eos=True)))
+    drafted = counters(llm)[0]
+    while counters(llm)[0] == drafted:
+        engine.step()
+    for i in range(3):
+        engine.abort(f"cut{i}")
+    assert_all_blocks_free(llm)
+    assert_draft_cache_empty(llm)
+
+
+def test_a_draft_of_another_vocabulary_is_refused(tiny, tmp_path, smollm2_tokenizer):
+    _, target, _ = tiny
+    tokenizer = type(smollm2_tokenizer).from_pretrained(
+        target / "1" / "weights")
+    tokenizer.add_tokens(["<not-in-the-target>"])
+    config = LlamaConfig(**LLAMA, vocab_size=len(tokenizer))
+    save_tiny(tmp_path / "hf", LlamaForCausalLM, config, tokenizer)
+    draft = run_convert(tmp_path / "hf", tmp_path / "repo", "--dtype", "float32")
+    with pytest.raises(ValueError, match="another vocabulary"):
+        speculating(target, draft)
+
+
+def test_smollm2_with_its_int4_copy_as_draft(smollm2_repo, smollm2_hf, tmp_path_factory):
+    """The natural draft: the same model quantized to 4 bits (a quarter of the bytes)."""
+    draft = run_convert("default", tmp_path_factory.mktemp("int4"), "--quantize", "int4")
+    llm = speculating(smollm2_repo, draft)
+    tokenizer = llm.engine.tokenizer
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": task}],
+                                             add_generation_prompt=True, return_dict=False)
+               for task in TASKS[:2]]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32,
+                                                   ignore_eos=True))
+    assert [o.token_ids for o in outputs] == [hf_greedy(smollm2_hf, p, 32) for p in prompts]
+    drafted, accepted = counters(llm)
+    assert accepted > drafted / 2, (accepted, drafted)
+    assert_draft_cache_empty(llm)
