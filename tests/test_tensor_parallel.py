@@ -193,3 +193,18 @@ def test_an_engine_dropped_without_shutdown_stops_its_ranks(converted, capfd):
     with LLM(str(model.repos[1]), block_size=8) as one:
         assert [o.token_ids for o in one.generate(prompts, params)] == two_ranks
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_speculation_over_two_ranks_keeps_transformers_tokens(converted):
+    """n-gram speculation with two ranks: the driver proposes, every rank runs the verification
+    rows (the plan it sends), greedy tokens stay transformers'."""
+    from test_speculative import repeating_prompts
+    model = converted("llama-gqa-4-heads-2-kv")
+    prompts = repeating_prompts(3, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLM(str(model.repos[2]), block_size=8, speculative="ngram") as llm:
+        outputs = llm.generate(prompts, params)
+        drafted = llm.engine.scheduler.num_draft_tokens
+    assert [o.token_ids for o in outputs] == [reference_greedy(model.hf, p, NEW_TOKENS)
+                                              for p in prompts]
+    assert drafted > 0
