@@ -35,6 +35,21 @@ def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[
     return generated.tolist()
 
 
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.15)
+
+
+def tiny_llama(directory: Path, tokenizer, **config):
+    """A tiny random Llama (TINY_LLAMA, `config` over it) with `tokenizer`'s vocabulary, saved
+    under directory/hf and converted (float32) into directory/repo: (the model, its model dir)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from tritonlm_convert.convert import convert
+    hf_config = LlamaConfig(**{**TINY_LLAMA, **config}, vocab_size=len(tokenizer))
+    hf = save_tiny(directory / "hf", LlamaForCausalLM, hf_config, tokenizer)
+    return hf, convert(str(directory / "hf"), directory / "repo", dtype="float32")
+
+
 def assert_matches_transformers(tmp_path: Path, model_class, config, tokenizer, num_prompts=4,
                                 new_tokens=NEW_TOKENS, prompts=None, **engine_overrides):
     """Convert a tiny `model_class(config)` and compare greedy ids one at a time and batched."""

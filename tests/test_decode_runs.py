@@ -4,24 +4,17 @@ programs' buffers as on CUDA through the graphs' (tests/test_gpu.py runs them th
 tokens must stay transformers', and sampled tokens, logprobs, stops and finish reasons those of
 one step at a time."""
 import pytest
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from family_check import random_prompts, reference_greedy, save_tiny
+from family_check import random_prompts, reference_greedy, tiny_llama
 from tritonlm import LLM, SamplingParams
 from tritonlm.layers import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="needs the C++ CPU kernels")
-LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, smollm2_tokenizer):
-    from tritonlm_convert.convert import convert
-    directory = tmp_path_factory.mktemp("decode-runs")
-    config = LlamaConfig(**LLAMA, vocab_size=len(smollm2_tokenizer))
-    hf = save_tiny(directory / "hf", LlamaForCausalLM, config, smollm2_tokenizer)
-    return hf, convert(str(directory / "hf"), directory / "repo", dtype="float32")
+    return tiny_llama(tmp_path_factory.mktemp("decode-runs"), smollm2_tokenizer)
 
 
 @pytest.fixture(scope="module")

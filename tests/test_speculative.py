@@ -11,18 +11,15 @@ import openai
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import hf_greedy, linked_repository
-from family_check import random_prompts, reference_greedy, save_tiny
+from family_check import random_prompts, reference_greedy, tiny_llama
 from tritonlm import LLM, SamplingParams
 from tritonlm.engine.ngram_proposer import propose_ngram
 from test_observability import delta, scrape
 from test_server import grpc_stream, text_of
 from triton_server import start_server
 
-LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15)
 SPECULATIVE = dict(speculative="ngram", num_speculative_tokens=4, prompt_lookup_min=1,
                    prompt_lookup_max=3, speculative_disable_by_batch_size=64, block_size=8)
 
@@ -40,11 +37,7 @@ def test_ngram_proposals():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, smollm2_tokenizer):
-    from tritonlm_convert.convert import convert
-    directory = tmp_path_factory.mktemp("speculative")
-    config = LlamaConfig(**LLAMA, vocab_size=len(smollm2_tokenizer))
-    hf = save_tiny(directory / "hf", LlamaForCausalLM, config, smollm2_tokenizer)
-    return hf, convert(str(directory / "hf"), directory / "repo", dtype="float32")
+    return tiny_llama(tmp_path_factory.mktemp("speculative"), smollm2_tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -4,30 +4,20 @@ transformers' (greedy) and the engine's without speculation (sampled); the targe
 draft must have every proposal kept (its KV copy of each sequence stays right as the target keeps
 some proposals and draws others); both caches end empty."""
 import pytest
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import hf_greedy, run_convert
-from family_check import random_prompts, reference_greedy, save_tiny
+from family_check import random_prompts, reference_greedy, tiny_llama
 from test_speculative import TASKS, assert_all_blocks_free, counters, repeating_prompts
 from tritonlm import LLM, SamplingParams
-
-LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, smollm2_tokenizer):
     """A tiny target, and another tiny model of the same vocabulary (other weights)."""
-    from tritonlm_convert.convert import convert
-    directory = tmp_path_factory.mktemp("draft")
-    config = LlamaConfig(**LLAMA, vocab_size=len(smollm2_tokenizer))
-    hf = save_tiny(directory / "hf", LlamaForCausalLM, config, smollm2_tokenizer)
-    target = convert(str(directory / "hf"), directory / "repo", dtype="float32")
-    other = LlamaForCausalLM(LlamaConfig(**{**LLAMA, "num_hidden_layers": 1},
-                                         vocab_size=len(smollm2_tokenizer)))
-    other.save_pretrained(directory / "other-hf")
-    smollm2_tokenizer.save_pretrained(directory / "other-hf")
-    return hf, target, convert(str(directory / "other-hf"), directory / "other", dtype="float32")
+    hf, target = tiny_llama(tmp_path_factory.mktemp("draft"), smollm2_tokenizer)
+    _, other = tiny_llama(tmp_path_factory.mktemp("other"), smollm2_tokenizer,
+                          num_hidden_layers=1)
+    return hf, target, other
 
 
 def speculating(repo, draft, **settings) -> LLM:
@@ -89,9 +79,7 @@ def test_a_draft_of_another_vocabulary_is_refused(tiny, tmp_path, smollm2_tokeni
     tokenizer = type(smollm2_tokenizer).from_pretrained(
         target / "1" / "weights")
     tokenizer.add_tokens(["<not-in-the-target>"])
-    config = LlamaConfig(**LLAMA, vocab_size=len(tokenizer))
-    save_tiny(tmp_path / "hf", LlamaForCausalLM, config, tokenizer)
-    draft = run_convert(tmp_path / "hf", tmp_path / "repo", "--dtype", "float32")
+    _, draft = tiny_llama(tmp_path, tokenizer)
     with pytest.raises(ValueError, match="another vocabulary"):
         speculating(target, draft)
 

@@ -106,7 +106,8 @@ def print_speculation(versus: dict[str, dict]) -> None:
         tpot, speed = v["tpot_lower"], v["tokens_per_s_higher"]
         print(f"  {name} vs {v['base']}: TPOT {v['tpot_lower_median']:.2f}x lower (rounds "
               f"{min(tpot):.2f}x..{max(tpot):.2f}x), output tokens/s "
-              f"{v['tokens_per_s_higher_median']:.2f}x (rounds {min(speed):.2f}x..{max(speed):.2f}x)")
+              f"{v['tokens_per_s_higher_median']:.2f}x "
+              f"(rounds {min(speed):.2f}x..{max(speed):.2f}x)")
 
 
 def write_json(path: Path, report: dict) -> None:
