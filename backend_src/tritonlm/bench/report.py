@@ -84,16 +84,21 @@ def print_versus_grpc(versus: dict[str, dict]) -> None:
 def speculation(runs: list[dict], suffix: str) -> dict[str, dict]:
     """Each run of a speculative series (its name ends in `suffix`) against the run without it at
     the same concurrency: TPOT (p50) without over with, and output tokens/s with over without,
-    round by round, and the median round of each."""
+    round by round (rounds where both produced tokens), and the median round of each."""
     plain = {(run["series"], run.get("concurrency")): run for run in runs if "series" in run}
     versus = {}
     for run in runs:
-        base = plain.get((run.get("series", "").removesuffix(suffix), run.get("concurrency")))
-        if not run.get("series", "").endswith(suffix) or base is None:
+        series = run.get("series", "")
+        base = plain.get((series.removesuffix(suffix), run.get("concurrency")))
+        if not suffix or not series.endswith(suffix) or base is None:
             continue
-        tpot = [b / a for a, b in zip(run["rounds_tpot_p50_ms"], base["rounds_tpot_p50_ms"])]
-        speed = [a / b for a, b in zip(run["rounds_output_tokens_per_s"],
-                                       base["rounds_output_tokens_per_s"])]
+        rounds = [r for r in zip(run["rounds_tpot_p50_ms"], base["rounds_tpot_p50_ms"],
+                                 run["rounds_output_tokens_per_s"],
+                                 base["rounds_output_tokens_per_s"]) if min(r) > 0]
+        if not rounds:
+            continue
+        tpot = [b / a for a, b, _, _ in rounds]
+        speed = [c / d for _, _, c, d in rounds]
         versus[run["system"]] = {"base": base["system"], "tpot_lower": tpot,
                                  "tokens_per_s_higher": speed,
                                  "tpot_lower_median": statistics.median_low(tpot),
