@@ -1,9 +1,9 @@
-"""Sampled tokens from the device to the plan's results, speculative verification as decode rows,
-and decode runs: a plan of several
-decode steps in a row (StepPlan.num_steps), each step's input the token the step before sampled
-on the device. The host queues every step before it reads any token, so the device goes from one
-step to the next without waiting for the host to schedule, sample and fill inputs in between
-(what vLLM's multi-step scheduling does); the host reads all the run's tokens at once after."""
+"""Sampled tokens from the device to the plan's results, speculative verification as decode
+rows, and decode runs: a plan of several decode steps in a row (StepPlan.num_steps), each step's
+input the token the step before sampled on the device. The host queues every step before it
+reads any token, so the device goes from one step to the next without waiting for the host to
+schedule, sample and fill inputs in between (what vLLM's multi-step scheduling does); the host
+reads all the run's tokens at once after."""
 import dataclasses
 
 import torch

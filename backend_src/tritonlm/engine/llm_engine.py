@@ -20,8 +20,8 @@ from tritonlm.engine.model_runner import ModelRunner, resolve_device
 from tritonlm.engine.request_builder import Request, RequestBuilder
 from tritonlm.engine.request_state import RequestOutput, RequestState
 from tritonlm.engine.scheduler import Scheduler
-from tritonlm.engine.speculation import make_proposer
 from tritonlm.engine.sequence import FinishReason, Sequence
+from tritonlm.engine.speculation import make_proposer
 from tritonlm.engine.stats import (EngineObserver, FinishedRequest, RateLimitedWarning,
                                    RequestTimeline, StepStats)
 from tritonlm.engine.step_plan import SampledToken
