@@ -127,10 +127,8 @@ class Scheduler:
     def _may_speculate(self, seq: Sequence) -> bool:
         """Its draws after each proposal need no host state that the proposals before it change
         (a watermark's green list is seeded by the row's own input token: they may)."""
-        p = seq.params
-        return (p.speculative and seq.encoder_token_ids is None and p.constraint is None
-                and not p.uses_penalties and not seq.bad_words_ids
-                and seq.num_output_tokens >= p.min_tokens)
+        return (seq.params.speculative and seq.encoder_token_ids is None
+                and self._draws_need_no_history(seq))
 
     def _decode_run_length(self) -> int:
         """How many decode steps the running batch may take in a row: as many as the run may
@@ -152,9 +150,17 @@ class Scheduler:
         return steps if steps > 1 and missing <= self.block_manager.num_free_blocks else 1
 
     def _samples_on_device(self, seq: Sequence) -> bool:
+        """Its next draws need nothing the host computes from the tokens before them (a
+        watermark's green list comes from the host)."""
+        return not seq.params.watermark and self._draws_need_no_history(seq)
+
+    @staticmethod
+    def _draws_need_no_history(seq: Sequence) -> bool:
+        """No grammar, penalties, bad words or min_tokens still to reach: its draws do not
+        depend on the tokens drawn just before them."""
         p = seq.params
-        return (p.constraint is None and not p.uses_penalties and not p.watermark
-                and not seq.bad_words_ids and seq.num_output_tokens >= p.min_tokens)
+        return (p.constraint is None and not p.uses_penalties and not seq.bad_words_ids
+                and seq.num_output_tokens >= p.min_tokens)
 
     def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
         """Preempt the most recently admitted sequences until `seq` fits; False if seq went too."""
