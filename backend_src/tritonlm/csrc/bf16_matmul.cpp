@@ -65,7 +65,7 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   if (sgemm_rows > 0 && m >= sgemm_rows) {
     // Prompt-sized inputs, where float32 sgemm keeps the FMA units busier than tiles that widen
     // as they go: the weight widened once, rounded to bfloat16 as the tiles' output is.
-    using Wide = WidenedFma<Native, uint16_t, false, uint16_t>;
+    using Wide = WidenedFma<Native, uint16_t>;
     const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr());
     auto out = sgemm_matmul(x, dense_weight<Wide>(ws, packed.size(1), {}, shape, k), bias);
     return activation < 0 ? out : act_and_mul(out, activation);
@@ -78,12 +78,14 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const auto* bs = bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
   auto* os = reinterpret_cast<uint16_t*>(out.data_ptr());
   if (widen) {
-    run_tasks<WidenedFma<Native, uint16_t, false, uint16_t>>(even, ws, packed.size(1), {}, bs,
-                                                             os, shape, activation);
+    const FloatRows rows = float_rows(even);
+    run_tasks<WidenedFma<Native, uint16_t>>(rows.data, rows.stride, ws, packed.size(1), {}, bs,
+                                            os, shape, activation);
     return out;
   }
 #ifdef __AVX512BF16__
-  run_tasks<DotProducts>(even, ws, packed.size(1), {}, bs, os, shape, activation);
+  run_tasks<DotProducts>(reinterpret_cast<const uint16_t*>(even.data_ptr()), even.stride(0), ws,
+                         packed.size(1), {}, bs, os, shape, activation);
 #else
   TORCH_CHECK(false, "bf16_matmul: this build has no AVX512-BF16 dot products (widen=True runs)");
 #endif

@@ -82,7 +82,7 @@ constexpr int64_t kPairElems = kBlock * kLaneElems<W>;
 // (w = q * scale + bias): a tile sums q * x over a group, then adds scale * sum + bias * (x's
 // sum over the group), so widening a weight costs no more than for bf16 or int8 rows. Else the
 // weights are the values (bf16) or a per-feature scale multiplies the sums (int8 rows).
-// XT: x's element, float or bfloat16 (uint16_t, widened as it is broadcast).
+// XT: x's element: float (float_rows in packed_matmul_tasks.h), or int8 for the integer dots.
 template <typename I, typename Weight, bool kGrouped = false, typename XT = float>
 struct WidenedFma {
   using X = XT;

@@ -15,13 +15,6 @@ struct Int4Pair {
   uint8_t bits;
 };
 
-inline float bf16_to_float(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof(value));
-  return value;
-}
-
 // The registers a tile computes in, as this build targets them: AVX512 (16 float32 lanes) or AVX2
 // + FMA (8). The tiling, the task schedule and the epilogue are written once over these; only the
 // width differs.
@@ -35,7 +28,6 @@ struct Avx512 {
                                                 // (not measured on AVX512 yet)
   static F zero() { return _mm512_setzero_ps(); }
   static F splat(float v) { return _mm512_set1_ps(v); }
-  static F splat(uint16_t bf16) { return splat(bf16_to_float(bf16)); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
@@ -93,7 +85,6 @@ struct Avx2 {
   static constexpr int64_t kPrewidenRows = 16;
   static F zero() { return _mm256_setzero_ps(); }
   static F splat(float v) { return _mm256_set1_ps(v); }
-  static F splat(uint16_t bf16) { return splat(bf16_to_float(bf16)); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }

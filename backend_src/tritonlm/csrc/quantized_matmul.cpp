@@ -19,14 +19,12 @@ namespace {
 using namespace packed_matmul;
 
 // x's sum over each group of `group_size` features: [m, groups].
-template <typename T>
-std::vector<float> group_sums(const at::Tensor& x, int64_t groups, int64_t group_size) {
-  const int64_t m = x.size(0), k = x.size(1);
+std::vector<float> group_sums(const FloatRows& x, int64_t m, int64_t k, int64_t groups,
+                              int64_t group_size) {
   std::vector<float> sums(m * groups);
-  const T* xs = reinterpret_cast<const T*>(x.data_ptr());
   for (int64_t r = 0; r < m; ++r)
     for (int64_t g = 0; g < groups; ++g) {
-      const T* begin = xs + r * x.stride(0) + g * group_size;
+      const float* begin = x.data + r * x.stride + g * group_size;
       const int64_t n = std::min(k - g * group_size, group_size);
       Vec acc(0.f);
       int64_t i = 0;
@@ -38,25 +36,26 @@ std::vector<float> group_sums(const at::Tensor& x, int64_t groups, int64_t group
   return sums;
 }
 
-// X, O: x's and the output's element (float, or bfloat16 as uint16_t).
-template <typename Mul, typename X>
-void run_on(const at::Tensor& x, const at::Tensor& packed, const Dequant& dequant,
-            const std::optional<at::Tensor>& bias, at::Tensor& out, const Shape& shape) {
+// O: the output's element (float, or bfloat16 as uint16_t).
+template <typename Mul, typename O>
+void run_on(const typename Mul::X* xs, int64_t x_stride, const at::Tensor& packed,
+            const Dequant& dequant, const std::optional<at::Tensor>& bias, at::Tensor& out,
+            const Shape& shape) {
   const auto* ws = reinterpret_cast<const typename Mul::W*>(packed.data_ptr());
-  const auto* bs = bias ? reinterpret_cast<const X*>(bias->data_ptr()) : nullptr;
-  run_tasks<Mul, X>(x, ws, packed.size(1), dequant, bs, reinterpret_cast<X*>(out.data_ptr()),
-                    shape, -1);
+  const auto* bs = bias ? reinterpret_cast<const O*>(bias->data_ptr()) : nullptr;
+  run_tasks<Mul, O>(xs, x_stride, ws, packed.size(1), dequant, bs,
+                    reinterpret_cast<O*>(out.data_ptr()), shape, -1);
 }
 
 // Calls run(Type<WidenedFma<...>>{}) with the multiply of the packed weight's layout.
-template <typename X, typename Run>
+template <typename Run>
 void with_layout(bool int4, bool grouped, Run run) {
   if (int4)
-    run(Type<WidenedFma<Native, Int4Pair, true, X>>{});
+    run(Type<WidenedFma<Native, Int4Pair, true>>{});
   else if (grouped)
-    run(Type<WidenedFma<Native, int8_t, true, X>>{});
+    run(Type<WidenedFma<Native, int8_t, true>>{});
   else
-    run(Type<WidenedFma<Native, int8_t, false, X>>{});
+    run(Type<WidenedFma<Native, int8_t, false>>{});
 }
 
 Dequant dequant_of(const std::optional<at::Tensor>& row_scales,
@@ -66,28 +65,32 @@ Dequant dequant_of(const std::optional<at::Tensor>& row_scales,
           groups ? groups->data_ptr<float>() : nullptr, (group_size + 1) / 2, x_sums, x_scales};
 }
 
-// X: the output's element (float, or bfloat16 as uint16_t).
-template <typename X>
+// O: the output's element, x's (float, or bfloat16 as uint16_t).
+template <typename O>
 void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4, bool int8_dots,
              const std::optional<at::Tensor>& row_scales,
              const std::optional<at::Tensor>& groups, int64_t group_size,
              const std::optional<at::Tensor>& bias, at::Tensor& out, const Shape& shape) {
-  using T = std::conditional_t<std::is_same_v<X, float>, float, c10::BFloat16>;
+  using T = std::conditional_t<std::is_same_v<O, float>, float, c10::BFloat16>;
   if (int8_dots) {
     const QuantizedRows q = quantize_rows<T>(x, groups->size(1), group_size);
     const Dequant dequant = dequant_of(row_scales, groups, group_size, q.sums.data_ptr<float>(),
                                        q.scales.data_ptr<float>());
+    const int8_t* values = q.values.data_ptr<int8_t>();
     if (int4)
-      run_on<Int4Integer, X>(q.values, packed, dequant, bias, out, shape);
+      run_on<Int4Integer, O>(values, x.size(1), packed, dequant, bias, out, shape);
     else
-      run_on<Int8Integer, X>(q.values, packed, dequant, bias, out, shape);
+      run_on<Int8Integer, O>(values, x.size(1), packed, dequant, bias, out, shape);
     return;
   }
+  const FloatRows rows = float_rows(x);
   const std::vector<float> x_sums =
-      groups ? group_sums<T>(x, groups->size(1), group_size) : std::vector<float>();
+      groups ? group_sums(rows, x.size(0), x.size(1), groups->size(1), group_size)
+             : std::vector<float>();
   const Dequant dequant = dequant_of(row_scales, groups, group_size, x_sums.data());
-  with_layout<X>(int4, groups.has_value(), [&](auto type) {
-    run_on<typename decltype(type)::type, X>(x, packed, dequant, bias, out, shape);
+  with_layout(int4, groups.has_value(), [&](auto type) {
+    run_on<typename decltype(type)::type, O>(rows.data, rows.stride, packed, dequant, bias, out,
+                                             shape);
   });
 }
 }  // namespace
@@ -132,7 +135,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
   // prompts on float inputs: the weight dequantized once, sgemm
   if (!int8_dots && sgemm_rows > 0 && m >= sgemm_rows) {
     at::Tensor dense;
-    with_layout<float>(int4, groups.has_value(), [&](auto type) {
+    with_layout(int4, groups.has_value(), [&](auto type) {
       using Mul = typename decltype(type)::type;
       dense = dense_weight<Mul>(reinterpret_cast<const typename Mul::W*>(packed.data_ptr()),
                                 pairs, dequant_of(row_scales, groups, group_size, nullptr),
