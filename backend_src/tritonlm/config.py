@@ -57,6 +57,15 @@ class EngineConfig:
     # the vocabulary and the logit added on it
     watermark_gamma: float = 0.5
     watermark_delta: float = 2.0
+    # Limits (TGI's names and meanings): requests in flight at once, beyond which a request is
+    # refused at once (Triton's UNAVAILABLE; 429 through the front end); a prompt's tokens, and
+    # its tokens plus max_tokens (None: max_model_len - 1 and max_model_len; within them an
+    # unset max_tokens fills max_total_tokens); seconds a request may wait for its first step
+    # before it fails as overloaded (None: no limit)
+    max_concurrent_requests: int = 128
+    max_input_tokens: int | None = None
+    max_total_tokens: int | None = None
+    queue_timeout: float | None = None
     # OTLP/HTTP traces endpoint (TRITONLM_OTLP_ENDPOINT overrides it); None: no tracing
     otlp_endpoint: str | None = None
 
@@ -82,8 +91,33 @@ class EngineConfig:
         if self.num_scheduler_steps is not None and self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         self._check_speculative()
+        self._check_limits()
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+    def _check_limits(self) -> None:
+        if self.max_concurrent_requests < 1:
+            raise ValueError(f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
+        total = self.max_total_tokens if self.max_total_tokens is not None else self.max_model_len
+        if not 1 < total <= self.max_model_len:
+            raise ValueError(f"max_total_tokens must be in [2, max_model_len ({self.max_model_len})], "
+                             f"got {total}")
+        if self.max_input_tokens is not None and not 0 < self.max_input_tokens < total:
+            raise ValueError(f"max_input_tokens must be in [1, max_total_tokens ({total}) - 1], "
+                             f"got {self.max_input_tokens}")
+        if self.queue_timeout is not None and not self.queue_timeout > 0:
+            raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")
+
+    @property
+    def total_token_limit(self) -> int:
+        """max_total_tokens as it applies: a prompt's tokens plus those it may generate."""
+        return self.max_total_tokens if self.max_total_tokens is not None else self.max_model_len
+
+    @property
+    def input_token_limit(self) -> int:
+        """max_input_tokens as it applies."""
+        return (self.max_input_tokens if self.max_input_tokens is not None
+                else self.total_token_limit - 1)
 
     def _check_speculative(self) -> None:
         if self.speculative is not None and not (isinstance(self.speculative, str)

@@ -7,3 +7,8 @@ class InvalidRequestError(ValueError):
 
 class EngineFatalError(RuntimeError):
     """The engine cannot go on (a tensor-parallel rank died): the model must stop serving."""
+
+
+class OverloadedError(RuntimeError):
+    """The server is full (max_concurrent_requests in flight): retry later. Triton's UNAVAILABLE;
+    the front end answers 429, `error_type: overloaded`, which its message tells it."""

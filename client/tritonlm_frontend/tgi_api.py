@@ -2,7 +2,6 @@
 POST /tokenize; errors as {"error", "error_type"} with TGI's statuses."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
 from importlib import metadata
 
 from fastapi import APIRouter, Request
@@ -38,30 +37,6 @@ def tgi_error(error: APIError) -> APIError:
 def _error_event(error: APIError) -> str:
     error = tgi_error(error)
     return sse_event({"error": error.message, "error_type": error_type(error)})
-
-
-def _admit(request: Request) -> Callable[[], None]:
-    """A slot among max_concurrent_requests (429 beyond them, as TGI); call the result once."""
-    state = request.app.state
-    if getattr(state, "tgi_in_flight", 0) >= MAX_CONCURRENT_REQUESTS:
-        raise APIError(429, "Model is overloaded")
-    state.tgi_in_flight = getattr(state, "tgi_in_flight", 0) + 1
-    held = True
-
-    def release():
-        nonlocal held
-        if held:
-            held = False
-            state.tgi_in_flight -= 1
-    return release
-
-
-async def _holding(release: Callable[[], None], chunks: AsyncIterator) -> AsyncIterator:
-    try:
-        async for item in chunks:
-            yield item
-    finally:
-        release()
 
 
 async def _prepare(request: Request, body: GenerateBody, stream: bool) -> GenerateRequest:
@@ -105,15 +80,12 @@ def _sequence_details(seq: SequenceResult, params: GenerateParameters, seed: int
 
 
 async def _generate(request: Request, body: GenerateBody) -> dict:
-    release = _admit(request)
     try:
         generate = await _prepare(request, body, stream=False)
         result, = await unless_disconnected(
             request, lambda: collect(request.app.state.gateway, [generate]))
     except APIError as error:
         raise tgi_error(error) from None
-    finally:
-        release()
     params = body.parameters
     prefix = body.inputs if params.return_full_text else ""
     # best_of: the sequence with the highest cumulative logprob answers, the others follow
@@ -135,16 +107,12 @@ async def _generate(request: Request, body: GenerateBody) -> dict:
 
 
 async def _generate_stream(request: Request, body: GenerateBody):
-    release = _admit(request)
     try:
         generate = await _prepare(request, body, stream=True)
-        chunks = await unless_disconnected(request, lambda: first_and_rest(_holding(
-            release, merged(request.app.state.gateway, [generate]))))
-    except BaseException as error:
-        release()
-        if isinstance(error, APIError):
-            raise tgi_error(error) from None
-        raise
+        chunks = await unless_disconnected(request, lambda: first_and_rest(
+            merged(request.app.state.gateway, [generate])))
+    except APIError as error:
+        raise tgi_error(error) from None
     return sse_response(_stream_events(chunks, body, _seed(body.parameters, generate.sampling)))
 
 
@@ -235,14 +203,22 @@ async def info(request: Request):
     return {
         "model_id": model.name, "model_sha": None, "model_pipeline_tag": "text-generation",
         "model_dtype": dtype, "model_device_type": model.device_type,
-        "max_concurrent_requests": MAX_CONCURRENT_REQUESTS, "max_best_of": MAX_BEST_OF,
+        "max_concurrent_requests": int(loaded.get("max_concurrent_requests",
+                                                  MAX_CONCURRENT_REQUESTS)),
+        "max_best_of": MAX_BEST_OF,
         "max_stop_sequences": MAX_STOP_SEQUENCES, "max_top_n_tokens": MAX_TOP_N_TOKENS,
-        "max_input_tokens": max_total - 1 if max_total else None,
-        "max_total_tokens": max_total, "validation_workers": 1, "max_client_batch_size": 1,
+        "max_input_tokens": _limit(loaded, "max_input_tokens", max_total - 1 if max_total else None),
+        "max_total_tokens": _limit(loaded, "max_total_tokens", max_total),
+        "validation_workers": 1, "max_client_batch_size": 1,
         "router": "tritonlm", "version": _version(), "sha": None, "docker_label": None,
         "sampling_defaults": model.sampling_defaults,
         "speculate": int(loaded.get("speculate", 0)),  # tokens proposed per step
     }
+
+
+def _limit(loaded: dict[str, str], name: str, fallback: int | None) -> int | None:
+    """An engine limit as the engine loaded it, else what the model's config implies."""
+    return int(loaded[name]) if name in loaded else fallback
 
 
 def _version() -> str:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from tritonlm.engine.llm_engine import LLMEngine, Request
 from tritonlm.engine.request_state import RequestOutput
-from tritonlm.errors import EngineFatalError, InvalidRequestError
+from tritonlm.errors import EngineFatalError, InvalidRequestError, OverloadedError
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,9 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._cancels: list[str] = []
         self._active: dict[str, _Handle] = {}
+        # Submitted requests whose last output is not sent yet (guarded by _lock): the count
+        # max_concurrent_requests bounds.
+        self._in_flight: set[str] = set()
         self._watched: dict[str, _Handle] = {}  # unfinished requests with an is_cancelled
         # Guards _watched. NOTE: is_cancelled() is asked under it, and a request leaves _watched
         # under it before its last output is sent: Triton frees a request's response factory
@@ -84,11 +87,17 @@ class AsyncEngine:
     def submit(self, request: Request, on_output: OutputCallback,
                is_cancelled: Callable[[], bool] | None = None) -> None:
         """Queue a prepared request; `on_output` runs on the sender thread for every delta, in
-        order; if it raises, the request is aborted."""
+        order; if it raises, the request is aborted. Raises OverloadedError when
+        max_concurrent_requests are in flight already."""
         with self._lock:
             if self._stopping:
                 raise RuntimeError(f"the engine has stopped: {self.death}" if self.death
                                    else "the engine is shutting down")
+            limit = self.engine.config.max_concurrent_requests
+            if len(self._in_flight) >= limit:
+                raise OverloadedError(f"the model is overloaded: {limit} requests are in flight "
+                                      "(max_concurrent_requests); retry later")
+            self._in_flight.add(request.request_id)
             handle = _Handle(request, on_output, is_cancelled)
             self._incoming.append(handle)
             if is_cancelled is not None:
@@ -237,6 +246,8 @@ class AsyncEngine:
             if output.finished:
                 with self._watch_lock:
                     self._watched.pop(output.request_id, None)
+                with self._lock:
+                    self._in_flight.discard(output.request_id)
             try:
                 handle.on_output(output)
             except Exception:
@@ -254,6 +265,9 @@ class AsyncEngine:
                 self._send(handle, _error_output(handle.request, error))
             elif output is not None:
                 self._send(handle, output)
+            else:  # the engine had finished it: its last output went out already
+                with self._lock:
+                    self._in_flight.discard(request_id)
 
 
 def _error_output(request: Request, error: str) -> RequestOutput:

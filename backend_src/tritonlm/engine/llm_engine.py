@@ -100,7 +100,8 @@ class LLMEngine:
         self.request_builder = RequestBuilder(
             self.tokenizer, self.vocab_size, self.max_model_len, self.block_manager,
             self._decoder_start is not None,
-            Grammars(self.tokenizer, self.vocab_size, self.scheduler.eos_token_ids))
+            Grammars(self.tokenizer, self.vocab_size, self.scheduler.eos_token_ids),
+            self.config.input_token_limit, self.config.max_total_tokens)
         self.matchers = GrammarMatchers(self.vocab_size)
         self.runner.sampling_inputs.matchers = self.matchers
         self._seq_ids = itertools.count()
@@ -136,7 +137,7 @@ class LLMEngine:
         prompt, encoder_input = request.prompt_token_ids, None
         if self._decoder_start is not None:
             prompt, encoder_input = self._decoder_start, request.prompt_token_ids
-        max_total = self.max_model_len
+        max_total = min(self.config.total_token_limit, self.max_model_len)
         if p.max_tokens is not None:
             max_total = min(max_total, len(prompt) + p.max_tokens)
         seed = p.seed if p.seed is not None else random.getrandbits(63)
@@ -192,10 +193,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration over the running batch; outputs for every request that advanced."""
+        outputs = self._expire_queued() if self.config.queue_timeout is not None else []
         plan = self.scheduler.schedule()
         if plan.is_empty:
             self._report_step(plan)
-            return []
+            return outputs
         start = time.time()
         for chunk in plan.chunks:
             timeline = self._seq_requests[chunk.seq_id].timeline
@@ -214,7 +216,6 @@ class LLMEngine:
                     self.scheduler.finish(seq, FinishReason.STOP)  # the grammar is complete
                 if state.needs_fork and seq.num_output_tokens == 1:
                     self._fork(state, seq)
-        outputs = []
         for state in advanced.values():
             output = state.output()
             if output is not None:
@@ -223,6 +224,21 @@ class LLMEngine:
                 self._finished(state)
         self._report_step(plan)  # after the step, so an idle engine reports idle values
         return outputs
+
+    def _expire_queued(self) -> list[RequestOutput]:
+        """Fail the requests that waited queue_timeout seconds for their first step."""
+        cutoff = time.time() - self.config.queue_timeout
+        expired = {state.request_id: state for seq in self.scheduler.waiting
+                   if (state := self._seq_requests[seq.seq_id]).timeline.scheduled is None
+                   and state.timeline.arrival < cutoff}
+        for request_id, state in expired.items():
+            self.abort(request_id)
+            self.report_error("timeout")
+        return [RequestOutput(request_id, [], True, state.num_prompt_tokens,
+                              error=f"the model is overloaded: the request waited "
+                                    f"{self.config.queue_timeout:g} s (queue_timeout) without "
+                                    "being scheduled; retry later")
+                for request_id, state in expired.items()]
 
     def _report_step(self, plan) -> None:
         scheduler, blocks = self.scheduler, self.block_manager

@@ -29,11 +29,16 @@ class RequestBuilder:
     """Safe to use from any thread: it only reads the tokenizer and the engine's limits."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
-                 block_manager: BlockManager, encoder_decoder: bool, grammars: Grammars):
+                 block_manager: BlockManager, encoder_decoder: bool, grammars: Grammars,
+                 max_input_tokens: int | None = None, max_total_tokens: int | None = None):
+        """max_total_tokens: set, a prompt plus its max_tokens beyond it is refused (TGI's
+        rule); unset, max_tokens is cut to what max_model_len leaves."""
         self.tokenizer = tokenizer
         self.grammars = grammars
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_input_tokens = min(max_input_tokens or max_model_len - 1, max_model_len - 1)
+        self.max_total_tokens = max_total_tokens
         self.blocks = block_manager
         self.encoder_decoder = encoder_decoder
 
@@ -66,10 +71,18 @@ class RequestBuilder:
             token_ids, text = token_ids[-params.truncate_prompt_tokens:], None
         self._check_vocabulary("stop_token_ids", params.stop_token_ids)
         self._check_vocabulary("logit_bias", list(params.logit_bias))
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) > self.max_input_tokens:
             raise InvalidRequestError(
-                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
-                "it must be shorter to leave room for a new token")
+                f"prompt has {len(token_ids)} tokens, more than max_input_tokens "
+                f"({self.max_input_tokens}; max_model_len is {self.max_model_len}, and a prompt "
+                "leaves room for a new token)")
+        if (self.max_total_tokens is not None and params.max_tokens is not None
+                and not self.encoder_decoder
+                and len(token_ids) + params.max_tokens > self.max_total_tokens):
+            raise InvalidRequestError(
+                f"prompt tokens + max_tokens must be <= max_total_tokens "
+                f"({self.max_total_tokens}): given {len(token_ids)} prompt tokens and "
+                f"{params.max_tokens} max_tokens")
         blocks_for = self.blocks.blocks_for
         # Encoder-decoder: the prompt fills cross blocks and the decoder needs one more.
         needed = (blocks_for(len(token_ids)) + 1 if self.encoder_decoder

@@ -49,7 +49,8 @@ class EngineObserver(Protocol):
     def on_request_finished(self, request: FinishedRequest) -> None: ...
 
     def on_request_error(self, kind: str) -> None:
-        """kind: "invalid", "cancelled" or "internal"."""
+        """kind: "invalid", "cancelled", "internal", "overloaded" (refused at
+        max_concurrent_requests) or "timeout" (queue_timeout)."""
 
 
 class RateLimitedWarning:

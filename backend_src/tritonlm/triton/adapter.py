@@ -13,7 +13,7 @@ import triton_python_backend_utils as pb_utils
 from tritonlm.engine.async_engine import AsyncEngine
 from tritonlm.engine.llm_engine import LLMEngine
 from tritonlm.engine.request_state import RequestOutput
-from tritonlm.errors import InvalidRequestError
+from tritonlm.errors import InvalidRequestError, OverloadedError
 from tritonlm.tracing import RequestTracer, otlp_endpoint
 from tritonlm.triton.contract import EXPLICIT_CONTROL_VARIABLE
 from tritonlm.triton.metrics import TritonMetrics
@@ -50,7 +50,10 @@ class TritonPythonModel:
             self.model_name, args["model_version"], self.engine.max_model_len,
             {"dtype": config.dtype, "kv_cache_dtype": config.kv_cache_dtype,
              "device": str(self.engine.runner.device),
-             "speculate": str(config.num_speculative_tokens if config.speculative else 0)}))
+             "speculate": str(config.num_speculative_tokens if config.speculative else 0),
+             "max_concurrent_requests": str(config.max_concurrent_requests),
+             "max_input_tokens": str(self.engine.request_builder.max_input_tokens),
+             "max_total_tokens": str(min(config.total_token_limit, self.engine.max_model_len))}))
         endpoint = otlp_endpoint(self.engine.config.otlp_endpoint)
         self.tracer = RequestTracer(endpoint) if endpoint else None
         if self.tracer is not None:
@@ -67,6 +70,9 @@ class TritonPythonModel:
             except InvalidRequestError as exc:
                 self.engine.report_error("invalid")
                 sender.send(_error_response(str(exc), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
+            except OverloadedError as exc:
+                self.engine.report_error("overloaded")
+                sender.send(_error_response(str(exc), pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
             except Exception as exc:
                 logger.exception("could not enqueue a request")
                 sender.send(_error_response(f"internal error: {exc}"), flags=FINAL)

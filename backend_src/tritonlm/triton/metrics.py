@@ -14,7 +14,7 @@ _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 _TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0]
 FINISH_REASONS = ("stop", "length", "abort")
-ERROR_KINDS = ("invalid", "cancelled", "internal")
+ERROR_KINDS = ("invalid", "cancelled", "internal", "overloaded", "timeout")
 
 
 def token_buckets(max_model_len: int) -> list[float]:

@@ -64,7 +64,22 @@ def _parser() -> argparse.ArgumentParser:
                                   "(REPO/NAME) with this model's vocabulary (default: off)")
     speculation.add_argument("--num-speculative-tokens", type=int, metavar="K",
                              help="tokens proposed per sequence and step (default: 4)")
+    limits = parser.add_argument_group("limits (TGI's names)")
+    limits.add_argument("--max-concurrent-requests", type=int, metavar="N",
+                        help="requests in flight at once; more are refused at once "
+                             "(UNAVAILABLE, HTTP 429) (default: 128)")
+    limits.add_argument("--max-input-tokens", type=int, metavar="N",
+                        help="a prompt's tokens at most (default: max-total-tokens - 1)")
+    limits.add_argument("--max-total-tokens", type=int, metavar="N",
+                        help="a prompt's tokens plus max_tokens at most; more is refused "
+                             "(default: max_tokens cut to what max-model-len leaves)")
+    limits.add_argument("--queue-timeout", type=float, metavar="SECONDS",
+                        help="a request not scheduled within this fails as overloaded "
+                             "(default: none)")
     return parser
+
+
+LIMITS = ("max_concurrent_requests", "max_input_tokens", "max_total_tokens", "queue_timeout")
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9,
@@ -95,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
                             quantized_activations=args.quantized_activations,
                             gpu_memory_utilization=args.gpu_memory_utilization,
                             speculative=args.speculative,
-                            num_speculative_tokens=args.num_speculative_tokens)
+                            num_speculative_tokens=args.num_speculative_tokens,
+                            limits={name: getattr(args, name) for name in LIMITS})
     except (ConversionError, OSError) as e:
         parser.exit(1, f"{parser.prog}: error: {' '.join(str(e).split())}\n")
     print(f"wrote {model_dir}")

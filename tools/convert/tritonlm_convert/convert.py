@@ -165,8 +165,10 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
             float_head: bool = False, kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None,
             gpu_memory_utilization: float | None = None,
             quantized_activations: str = "auto", speculative: str | None = None,
-            num_speculative_tokens: int | None = None) -> Path:
-    """Convert SRC into the Triton model directory OUTPUT/NAME and return its path."""
+            num_speculative_tokens: int | None = None,
+            limits: dict[str, int | float | None] | None = None) -> Path:
+    """Convert SRC into the Triton model directory OUTPUT/NAME and return its path; `limits`:
+    engine.json's request limits (max_concurrent_requests, ...; None values: the defaults)."""
     if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*", name):
         raise ConversionError(f"model name {name!r} must be a plain directory name")
     if tp < 1:
@@ -185,8 +187,8 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
         speculative = str(draft_model_dir(speculative))
     settings = {name: value for name, value in (
         ("kv_cache_memory", kv_cache_memory), ("gpu_memory_utilization", gpu_memory_utilization),
-        ("speculative", speculative), ("num_speculative_tokens", num_speculative_tokens))
-        if value is not None}
+        ("speculative", speculative), ("num_speculative_tokens", num_speculative_tokens),
+        *(limits or {}).items()) if value is not None}
     try:
         engine = EngineConfig(dtype=dtype, tensor_parallel_size=tp, kv_cache_dtype=kv_cache_dtype,
                               quantized_activations=quantized_activations,
