@@ -381,6 +381,19 @@ def test_speculative_settings_are_recorded_and_checked(tiny, tmp_path, capsys):
     assert not (tmp_path / "other").exists()
 
 
+def test_limits_are_recorded_and_checked(tiny, tmp_path, capsys):
+    main([str(tiny[0]), "--output", str(tmp_path / "repo"), "--max-concurrent-requests", "7",
+          "--max-input-tokens", "30", "--max-total-tokens", "40", "--queue-timeout", "2.5"])
+    config = EngineConfig.load(tmp_path / "repo" / "llm" / "1")
+    assert (config.max_concurrent_requests, config.max_input_tokens, config.max_total_tokens,
+            config.queue_timeout) == (7, 30, 40, 2.5)
+    with pytest.raises(SystemExit):
+        main([str(tiny[0]), "--output", str(tmp_path / "other"), "--max-input-tokens", "40",
+              "--max-total-tokens", "40"])
+    assert "max_input_tokens must be in [1, max_total_tokens (40) - 1], got 40" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()
+
+
 def test_a_draft_model_is_recorded_by_its_absolute_path(tiny, tmp_path, capsys, monkeypatch):
     main([str(tiny[0]), "--output", str(tmp_path / "draft"), "--dtype", "float32"])
     monkeypatch.chdir(tmp_path)
