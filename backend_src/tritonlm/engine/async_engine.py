@@ -57,6 +57,7 @@ class AsyncEngine:
         # (tritonserver died in TRITONBACKEND_ResponseFactoryIsCancelled).
         self._watch_lock = threading.Lock()
         self._stopping = False
+        self._stop_error: str | None = None  # what requests in flight at shutdown are told
         self._ended = threading.Event()  # set when the engine loop has ended
         self.death: Exception | None = None  # why the loop died, if it did
         # Called on the engine thread once if the loop dies (not on shutdown).
@@ -110,10 +111,12 @@ class AsyncEngine:
             self._aborts.append(request_id)
             self._lock.notify()
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the loop; requests still in flight end with finish_reason 'abort'."""
+    def shutdown(self, timeout: float = 30.0, error: str | None = None) -> None:
+        """Stop the loop; requests still in flight end with finish_reason 'abort', or with
+        `error`."""
         with self._lock:
             self._stopping = True
+            self._stop_error = error
             self._lock.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -144,16 +147,11 @@ class AsyncEngine:
             logger.exception("the engine loop died with %d requests in flight; the model stops "
                              "serving", len(self._active))
             self.death = exc
-            with self._lock:
-                self._stopping = True
-                self._incoming, handles = [], self._incoming
-            for handle in handles:
-                self._send(handle, _error_output(handle.request, f"the engine has stopped: {exc}"))
-            self._fail_all(f"the engine has stopped: {exc}")
+            self._fail_all(f"the engine has stopped: {exc}", stopping=True)
             if self.on_death is not None:
                 self.on_death(exc)
             return
-        self._fail_all(None)
+        self._fail_all(self._stop_error, stopping=True)
 
     def _run(self) -> None:
         failures = 0
@@ -255,8 +253,16 @@ class AsyncEngine:
                 if not output.finished:
                     self.abort(output.request_id)
 
-    def _fail_all(self, error: str | None) -> None:
-        """End every active request: with `error`, or as aborted when error is None."""
+    def _fail_all(self, error: str | None, stopping: bool = False) -> None:
+        """End every active request: with `error`, or as aborted when error is None;
+        `stopping`: the loop ends, so requests submitted but not admitted yet fail too."""
+        if stopping:
+            with self._lock:
+                self._stopping = True
+                self._incoming, handles = [], self._incoming
+            for handle in handles:
+                self._send(handle, _error_output(handle.request,
+                                                 error or "the engine is shutting down"))
         for request_id in list(self._active):
             output = self.engine.abort(request_id)
             handle = self._active.pop(request_id)

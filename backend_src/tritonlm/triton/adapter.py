@@ -19,6 +19,7 @@ from tritonlm.triton.contract import EXPLICIT_CONTROL_VARIABLE
 from tritonlm.triton.metrics import TritonMetrics
 from tritonlm.triton.request_parser import parse_request
 from tritonlm.triton.response_builder import ResponseBuilder
+from tritonlm.triton.server_watch import ServerWatch
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 logger = logging.getLogger("tritonlm")
@@ -58,11 +59,14 @@ class TritonPythonModel:
         self.tracer = RequestTracer(endpoint) if endpoint else None
         if self.tracer is not None:
             self.engine.observers.append(self.tracer)
+        self.server_watch = ServerWatch(lambda: pb_utils.is_model_ready(self.model_name),
+                                        self._stop_serving)
         logger.info("tritonlm serving %s in %s: %d KV blocks of %d tokens, max_model_len %d",
                     model_dir, config.dtype, self.engine.runner.num_blocks, config.block_size,
                     self.engine.max_model_len)
 
     def execute(self, requests):
+        self.server_watch.start()
         for request in requests:
             sender = request.get_response_sender()
             try:
@@ -116,7 +120,11 @@ class TritonPythonModel:
             logger.error("model %s cannot mark itself not ready: the server does not run with "
                          "--model-control-mode=explicit; requests now get errors", self.model_name)
 
+    def _stop_serving(self, reason: str) -> None:
+        self.async_engine.shutdown(timeout=5.0, error=reason)
+
     def finalize(self):
+        self.server_watch.close()
         self.async_engine.shutdown()
         if self.tracer is not None:
             self.tracer.shutdown()
