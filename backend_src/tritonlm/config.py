@@ -110,8 +110,9 @@ class EngineConfig:
 
     @property
     def total_token_limit(self) -> int:
-        """max_total_tokens as it applies: a prompt's tokens plus those it may generate."""
-        return self.max_total_tokens if self.max_total_tokens is not None else self.max_model_len
+        """max_total_tokens as it applies: a prompt's tokens plus those it may generate (within
+        max_model_len, which the engine lowers to the model's context where that is shorter)."""
+        return min(self.max_total_tokens or self.max_model_len, self.max_model_len)
 
     @property
     def input_token_limit(self) -> int:

@@ -137,7 +137,7 @@ class LLMEngine:
         prompt, encoder_input = request.prompt_token_ids, None
         if self._decoder_start is not None:
             prompt, encoder_input = self._decoder_start, request.prompt_token_ids
-        max_total = min(self.config.total_token_limit, self.max_model_len)
+        max_total = self.config.total_token_limit
         if p.max_tokens is not None:
             max_total = min(max_total, len(prompt) + p.max_tokens)
         seed = p.seed if p.seed is not None else random.getrandbits(63)

@@ -54,7 +54,7 @@ class TritonPythonModel:
              "speculate": str(config.num_speculative_tokens if config.speculative else 0),
              "max_concurrent_requests": str(config.max_concurrent_requests),
              "max_input_tokens": str(self.engine.request_builder.max_input_tokens),
-             "max_total_tokens": str(min(config.total_token_limit, self.engine.max_model_len))}))
+             "max_total_tokens": str(config.total_token_limit)}))
         endpoint = otlp_endpoint(self.engine.config.otlp_endpoint)
         self.tracer = RequestTracer(endpoint) if endpoint else None
         if self.tracer is not None:
