@@ -15,6 +15,15 @@ import importlib.util  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Fuzzing (test_fuzz_*.py): CI replays the same cases every run; `pytest --hypothesis-profile=deep`
+# searches many more, new ones each time.
+settings.register_profile("ci", max_examples=150, deadline=None, derandomize=True, database=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("deep", settings.get_profile("ci"), max_examples=3000,
+                          derandomize=False)
+settings.load_profile("ci")
 
 # The device our Triton kernels' tests run them on.
 TRITON_DEVICE = torch.device("cuda" if CUDA else "cpu")

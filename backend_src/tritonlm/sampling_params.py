@@ -47,14 +47,16 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
-        self.bad_words = list(self.bad_words)
         if self.logit_bias is None:
             self.logit_bias = {}
         for f in fields(self):
             if f.init:
                 _check_type(f.name, getattr(self, f.name))
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        self.bad_words = list(self.bad_words)
+        for name in _FLOAT_FIELDS:
+            setattr(self, name, _as_float(name, getattr(self, name)))
         self.logit_bias = _token_biases(self.logit_bias)
         self.constraint = constraint_from(self.structured_outputs, {
             key: getattr(self, key) for key in ("guided_json", "guided_regex", "guided_choice",
@@ -67,8 +69,8 @@ class SamplingParams:
             _bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             _bad("temperature", self.temperature, "must be a finite number >= 0")
-        if self.top_k < 0:
-            _bad("top_k", self.top_k, "must be >= 0 (0 disables it)")
+        if not 0 <= self.top_k < 2**31:
+            _bad("top_k", self.top_k, "must be in [0, 2**31) (0 disables it)")
         if not 0 < self.top_p <= 1:
             _bad("top_p", self.top_p, "must be in (0, 1]")
         if not 0 <= self.min_p <= 1:
@@ -127,13 +129,16 @@ _FIELD_TYPES = {
     "best_of": (int, type(None)), "stream_interval": (int, type(None)),
     "prompt_logprobs": (int, type(None)), "logit_bias": dict,
     "truncate_prompt_tokens": (int, type(None)),
-    "seed": (int, type(None)), "stop": list,
-    "stop_token_ids": list, "bad_words": list, "include_stop_str_in_output": bool, "ignore_eos": bool,
+    "seed": (int, type(None)), "stop": (list, tuple),
+    "stop_token_ids": (list, tuple), "bad_words": (list, tuple),
+    "include_stop_str_in_output": bool, "ignore_eos": bool,
     "skip_special_tokens": bool, "watermark": bool, "speculative": bool,
     "structured_outputs": (dict, type(None)), "guided_json": (dict, str, type(None)),
     "guided_regex": (str, type(None)), "guided_choice": (list, type(None)),
     "guided_grammar": (str, type(None)),
 }
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty")
 _ELEMENT_TYPES = {"stop": str, "bad_words": str, "stop_token_ids": int}
 
 
@@ -155,10 +160,17 @@ def _token_biases(bias: dict) -> dict[int, float]:
         if token is None:
             _bad("logit_bias", key, "keys must be token ids")
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not (math.isfinite(value) and -100 <= value <= 100):
+                or not -100 <= value <= 100:  # NaN fails too
             _bad(f"logit_bias[{key!r}]", value, "must be a number in [-100, 100]")
         out[token] = float(value)
     return out
+
+
+def _as_float(name: str, value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:
+        _bad(name, value, "is out of range")
 
 
 def _token_id(key) -> int | None:
@@ -171,4 +183,6 @@ def _token_id(key) -> int | None:
 
 
 def _bad(name: str, value, why: str):
-    raise InvalidRequestError(f"{name} {why}, got {value!r}")
+    shown = repr(value) if not isinstance(value, int) or abs(value) < 10**40 else "a huge integer"
+    shown = shown if len(shown) <= 200 else shown[:200] + "..."
+    raise InvalidRequestError(f"{name} {why}, got {shown}")

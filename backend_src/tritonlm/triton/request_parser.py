@@ -64,12 +64,12 @@ def _read_prompt(get: TensorGetter) -> tuple[str | list[int] | None, list | None
         raise InvalidRequestError(
             f"send exactly one of text_input, input_ids or messages (got {given or 'none'})")
     if messages is not None:
-        try:
-            return None, json.loads(messages)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequestError(f"messages is not valid JSON: {exc}") from None
+        return None, _json(messages, "messages")
     if ids is not None:
-        return [int(t) for t in np.asarray(ids).reshape(-1)], None
+        ids = np.asarray(ids)
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InvalidRequestError(f"input_ids must be integers, got {ids.dtype}")
+        return ids.reshape(-1).tolist(), None
     return text, None
 
 
@@ -94,16 +94,27 @@ def _text(get: TensorGetter, name: str) -> str | None:
 
 def _flag(get: TensorGetter, name: str, default: bool) -> bool:
     array = get(name)
-    return default if array is None else bool(np.asarray(array).reshape(-1)[0])
+    if array is None:
+        return default
+    flat = np.asarray(array).reshape(-1)
+    if flat.size != 1:
+        raise InvalidRequestError(f"{name} must hold exactly one boolean, got {flat.size} values")
+    return bool(flat[0])
+
+
+def _json(text: str, name: str):
+    try:
+        return json.loads(text)
+    except ValueError as exc:  # JSONDecodeError, or an integer of more digits than Python reads
+        raise InvalidRequestError(f"{name} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequestError(f"{name} is nested too deeply") from None
 
 
 def _json_object(text: str | None, name: str) -> dict:
     if text is None or not text.strip():
         return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidRequestError(f"{name} is not valid JSON: {exc}") from None
+    value = _json(text, name)
     if not isinstance(value, dict):
         raise InvalidRequestError(f"{name} must be a JSON object, got {type(value).__name__}")
     return value
@@ -141,7 +152,8 @@ def _sampling_tensors(get: TensorGetter) -> dict:
         array = get(spec.name)
         if array is None:
             continue
-        flat = [_decode(v, spec.name) if isinstance(v, bytes) else v.item()
+        flat = [_decode(v, spec.name) if isinstance(v, bytes)
+                else v.item() if isinstance(v, np.generic) else v
                 for v in np.asarray(array).reshape(-1)]
         if spec.name in _LIST_KEYS:
             values[spec.name] = flat
