@@ -105,3 +105,43 @@ def triton_inputs(vocab_size: int, contract_only: bool) -> st.SearchStrategy[dic
                       max_size=4, unique=True)
     return st.tuples(prompts, others).flatmap(
         lambda names: st.fixed_dictionaries({n: tensor(n) for n in names[0] + names[1]}))
+
+
+def _body(required: dict, field_names) -> st.SearchStrategy[dict]:
+    """A JSON body: the required fields (plausible or not), then any of the schema's fields."""
+    keys = st.one_of(st.sampled_from(sorted(field_names)), any_text) if field_names else any_text
+    extra = st.dictionaries(keys, sampling_value, max_size=5)
+    return st.tuples(st.fixed_dictionaries(required), extra).map(lambda p: {**p[1], **p[0]})
+
+
+def frontend_requests(model: str) -> st.SearchStrategy[tuple[str, bytes]]:
+    """(route, body) for every POST route of the front end: bodies that follow its schemas with
+    hostile values, and bodies that are not JSON objects at all."""
+    from tritonlm_frontend.openai_protocol import ChatCompletionRequest, CompletionRequest
+    from tritonlm_frontend.tgi_protocol import CompatBody, GenerateParameters
+
+    name = st.one_of(st.just(model), any_text)
+    text = st.one_of(st.text(min_size=1, max_size=30), any_text)
+    message = st.one_of(
+        st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                               "content": st.one_of(text, json_values)}),
+        json_values)
+    messages = st.one_of(st.lists(message, min_size=1, max_size=3), json_values)
+    prompt = st.one_of(text, st.lists(extreme_ints, max_size=6), st.lists(text, max_size=3),
+                       json_values)
+    tgi_parameters = st.one_of(_body({}, GenerateParameters.model_fields), json_values)
+    bodies = st.one_of(
+        st.tuples(st.just("/v1/chat/completions"),
+                  _body({"model": name, "messages": messages},
+                        ChatCompletionRequest.model_fields)),
+        st.tuples(st.just("/v1/completions"),
+                  _body({"model": name, "prompt": prompt}, CompletionRequest.model_fields)),
+        st.tuples(st.sampled_from(["/generate", "/generate_stream", "/"]),
+                  _body({"inputs": st.one_of(text, json_values), "parameters": tgi_parameters},
+                        CompatBody.model_fields)),
+        st.tuples(st.just("/tokenize"), _body({"inputs": st.one_of(text, json_values)}, {})))
+    routes = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/generate",
+                              "/generate_stream", "/", "/tokenize"])
+    return st.one_of(
+        bodies.map(lambda rb: (rb[0], json.dumps(rb[1]).encode("utf-8", "surrogatepass"))),
+        st.tuples(routes, raw_strings))

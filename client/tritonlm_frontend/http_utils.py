@@ -25,8 +25,10 @@ async def read_body(request: Request, schema: type[Model], status: int = 400) ->
     raw = await request.body()
     try:
         value = json.loads(raw) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # bad JSON or UTF-8, or an integer of more digits than Python reads
         raise APIError(status, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(status, "the request body is nested too deeply") from None
     if not isinstance(value, dict):
         raise APIError(status, "the request body must be a JSON object")
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig
 
@@ -118,18 +118,19 @@ def load_model(weights_dir: Path, config, dtype: torch.dtype, device: torch.devi
     """The model for `config` with weights from `rank{rank}.safetensors`, in eval mode."""
     model = build_model(config, max_positions)
     state = {}
-    with safe_open(weights_dir / f"rank{rank}.safetensors", framework="pt") as f:
-        found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-        try:
+    path = weights_dir / f"rank{rank}.safetensors"
+    try:
+        with safe_open(path, framework="pt") as f:
+            found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
             use_quantized_storage(model, found)
             plan = checkpoint_plan(model, found)
-        except ValueError as e:
-            raise ValueError(f"{weights_dir}: {e}") from None
-        for name, sources in plan.items():
-            tensor = torch.cat([f.get_tensor(s) for s in sources]) if len(sources) > 1 \
-                else f.get_tensor(sources[0])
-            keeps_dtype = not tensor.is_floating_point() or f".{QUANTIZED}." in name
-            state[name] = tensor.to(device=device, dtype=None if keeps_dtype else dtype)
+            for name, sources in plan.items():
+                tensor = torch.cat([f.get_tensor(s) for s in sources]) if len(sources) > 1 \
+                    else f.get_tensor(sources[0])
+                keeps_dtype = not tensor.is_floating_point() or f".{QUANTIZED}." in name
+                state[name] = tensor.to(device=device, dtype=None if keeps_dtype else dtype)
+    except (ValueError, SafetensorError) as e:  # a plan that does not fit, a malformed file
+        raise ValueError(f"{path}: {e}") from None
     model.load_state_dict(state, assign=True, strict=True)
     return model.to(device).eval()
 
