@@ -17,6 +17,8 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+from tritonlm.config import linked_repository  # noqa: E402,F401 (tests import it from here)
+
 # Fuzzing (test_fuzz_*.py): CI replays the same cases every run; `pytest --hypothesis-profile=deep`
 # searches many more, new ones each time.
 settings.register_profile("ci", max_examples=150, deadline=None, derandomize=True, database=None,
@@ -116,21 +118,6 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
                              max_new_tokens=max_new_tokens, eos_token_id=None,
                              pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
-
-
-def linked_repository(model_dir: Path, directory: Path, **engine_settings) -> Path:
-    """A repository serving `model_dir`'s weights (linked, not copied) with other engine settings."""
-    import json
-    import shutil
-    version = directory / "llm" / "1"
-    version.mkdir(parents=True)
-    shutil.copy(model_dir / "config.pbtxt", directory / "llm" / "config.pbtxt")
-    shutil.copy(model_dir / "1" / "model.py", version / "model.py")
-    (version / "weights").symlink_to((model_dir / "1" / "weights").resolve())
-    settings = json.loads((model_dir / "1" / "engine.json").read_text())
-    settings.update(engine_settings)
-    (version / "engine.json").write_text(json.dumps(settings))
-    return directory
 
 
 # A small cache (64 blocks of 16 tokens) so tests can fill it on purpose.

@@ -383,10 +383,12 @@ def test_speculative_settings_are_recorded_and_checked(tiny, tmp_path, capsys):
 
 def test_limits_are_recorded_and_checked(tiny, tmp_path, capsys):
     main([str(tiny[0]), "--output", str(tmp_path / "repo"), "--max-concurrent-requests", "7",
-          "--max-input-tokens", "30", "--max-total-tokens", "40", "--queue-timeout", "2.5"])
+          "--max-input-tokens", "30", "--max-total-tokens", "40", "--queue-timeout", "2.5",
+          "--max-best-of", "2", "--max-stop-sequences", "4", "--max-top-n-tokens", "5"])
     config = EngineConfig.load(tmp_path / "repo" / "llm" / "1")
     assert (config.max_concurrent_requests, config.max_input_tokens, config.max_total_tokens,
             config.queue_timeout) == (7, 30, 40, 2.5)
+    assert (config.max_best_of, config.max_stop_sequences, config.max_top_n_tokens) == (2, 4, 5)
     with pytest.raises(SystemExit):
         main([str(tiny[0]), "--output", str(tmp_path / "other"), "--max-input-tokens", "40",
               "--max-total-tokens", "40"])

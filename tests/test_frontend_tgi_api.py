@@ -44,13 +44,13 @@ BAD_BODIES = [
     (params(max_new_tokens=0), ["`max_new_tokens`"]),
     (params(max_new_tokens=2.5), ["parameters.max_new_tokens"]),
     (params(max_new_tokens=SERVED_MAX_MODEL_LEN), ["`max_new_tokens`", "<= 512"]),
-    (params(stop=["a", "b", "c", "d", "e"]), ["`stop`", "up to 4"]),
+    (params(stop=[str(i) for i in range(17)]), ["`stop`", "up to 16"]),
     (params(stop="a"), ["parameters.stop"]),
     (params(seed=-1), ["`seed`"]),
     (params(best_of=2), ["`best_of`", "sampling"]),
     (params(best_of=2, do_sample=True, seed=3), ["`seed`", "best_of"]),
-    (params(best_of=3, do_sample=True), ["`best_of`", "<= 2"]),
-    (params(top_n_tokens=6), ["`top_n_tokens`"]),
+    (params(best_of=17, do_sample=True), ["`best_of`", "<= 16"]),
+    (params(top_n_tokens=21), ["`top_n_tokens`", "<= 20"]),
     (params(truncate=0), ["`truncate`"]),
     (params(truncate=SERVED_MAX_MODEL_LEN), ["`truncate`"]),
     (params(do_sample="yes"), ["parameters.do_sample"]),
@@ -121,7 +121,9 @@ def test_info(http, smollm2_server):
     assert info["model_dtype"] == "float32" and info["model_device_type"] == "cpu"
     assert info["max_total_tokens"] == SERVED_MAX_MODEL_LEN
     assert info["max_input_tokens"] == SERVED_MAX_MODEL_LEN - 1
-    assert info["max_best_of"] == 2 and info["max_stop_sequences"] == 4
+    # the engine's defaults (engine.json; TGI's launcher defaults are 2, 4 and 5: test_limits.py)
+    assert (info["max_best_of"], info["max_stop_sequences"], info["max_top_n_tokens"]) == (
+        16, 16, 20)
     assert info["speculate"] == 0
     assert info["max_concurrent_requests"] > 0 and info["max_client_batch_size"] >= 1
     assert isinstance(info["sampling_defaults"], dict)

@@ -44,6 +44,10 @@ def submit(engine: AsyncEngine, request_id: str, prompt, params: SamplingParams)
     ({"max_total_tokens": 4096}, "max_total_tokens"),
     ({"max_total_tokens": 64, "max_input_tokens": 64}, "max_input_tokens"),
     ({"queue_timeout": 0}, "queue_timeout"),
+    ({"max_best_of": 0}, "max_best_of"),
+    ({"max_best_of": 17}, "max_best_of"),
+    ({"max_top_n_tokens": 21}, "max_top_n_tokens"),
+    ({"max_stop_sequences": -1}, "max_stop_sequences"),
 ])
 def test_limits_out_of_range_are_refused_at_load(settings, message):
     with pytest.raises(ValueError, match=message):
@@ -62,6 +66,23 @@ def test_token_limits_refuse_with_their_numbers(tiny_repo):
     assert len(llm.generate([list(range(10, 18))], full)[0].token_ids) == 8
     unset = SamplingParams(temperature=0, ignore_eos=True)  # max_tokens: what the limit leaves
     assert len(llm.generate([list(range(10, 15))], unset)[0].token_ids) == 11
+
+
+@pytest.mark.parametrize("params, message", [
+    (SamplingParams(n=3, temperature=1), r"n must be <= max_best_of \(2\), got 3"),
+    (SamplingParams(n=1, best_of=3, temperature=1), r"best_of must be <= max_best_of \(2\)"),
+    (SamplingParams(stop=["a", "b", "c", "d", "e"]),
+     r"stop sequences must be <= max_stop_sequences \(4\), got 5"),
+    (SamplingParams(logprobs=6), r"logprobs must be <= max_top_n_tokens \(5\), got 6"),
+    (SamplingParams(prompt_logprobs=6), r"prompt_logprobs must be <= max_top_n_tokens \(5\)"),
+])
+def test_per_request_limits_refuse_with_their_numbers(tiny_repo, params, message):
+    llm = LLM(str(tiny_repo), max_best_of=2, max_stop_sequences=4, max_top_n_tokens=5)
+    with pytest.raises(InvalidRequestError, match=message):
+        llm.engine.make_request("over", [10, 11], params)
+    within = SamplingParams(n=2, temperature=1, max_tokens=2, stop=["a", "b", "c", "d"],
+                            logprobs=5, prompt_logprobs=5)
+    assert len(llm.generate([[10, 11]], within)[0].choices) == 2
 
 
 def test_requests_over_max_concurrent_are_refused_then_admitted_again(tiny_repo):
@@ -102,7 +123,8 @@ def test_a_request_not_scheduled_within_queue_timeout_fails_and_the_others_run_o
 @pytest.mark.server
 def test_served_over_max_concurrent_requests_gets_unavailable_and_429(smollm2_repo, tmp_path):
     repo = linked_repository(smollm2_repo, tmp_path / "repo", num_kv_blocks=64,
-                             max_concurrent_requests=1, max_total_tokens=512)
+                             max_concurrent_requests=1, max_total_tokens=512,
+                             max_best_of=2, max_stop_sequences=4, max_top_n_tokens=5)
     long = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
     with start_server(repo) as server:
         first: dict = {}
@@ -133,5 +155,15 @@ def test_served_over_max_concurrent_requests_gets_unavailable_and_429(smollm2_re
         worker.join(120)
         results, error = first["result"]
         assert error is None and results
+        assert (info["max_best_of"], info["max_stop_sequences"], info["max_top_n_tokens"]) == (
+            2, 4, 5)
+        results, error = grpc_stream(server.grpc_url, "Hi", {"n": 3, "temperature": 1})
+        assert results == [] and "n must be <= max_best_of (2)" in str(error)
+        tgi = httpx.post(f"{server.frontend_url}/generate", json={"inputs": "Hi", "parameters": {
+            "max_new_tokens": 4, "best_of": 3, "do_sample": True}})
+        assert tgi.status_code == 422 and "`best_of` must be > 0 and <= 2" in tgi.json()["error"]
+        chat = httpx.post(f"{server.frontend_url}/v1/completions", json={
+            "model": "llm", "prompt": "Hi", "max_tokens": 2, "logprobs": 6})
+        assert chat.status_code == 400 and "max_top_n_tokens (5)" in chat.json()["error"]["message"]
         results, error = grpc_stream(server.grpc_url, "Hi", {"max_tokens": 4}, stream=False)
         assert error is None and text_of(results[-1])  # admitted again once the first ended

@@ -1,8 +1,11 @@
 """Engine settings (`1/engine.json`) and the layout of a converted model directory."""
 import dataclasses
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+from tritonlm.sampling_params import MAX_LOGPROBS, MAX_SEQUENCES
 
 ENGINE_FILE = "engine.json"
 WEIGHTS_DIR = "weights"
@@ -66,6 +69,11 @@ class EngineConfig:
     max_input_tokens: int | None = None
     max_total_tokens: int | None = None
     queue_timeout: float | None = None
+    # What one request may ask for: sequences (n, best_of), stop strings, and top alternatives
+    # per token (logprobs, prompt_logprobs)
+    max_best_of: int = MAX_SEQUENCES
+    max_stop_sequences: int = 16
+    max_top_n_tokens: int = MAX_LOGPROBS
     # OTLP/HTTP traces endpoint (TRITONLM_OTLP_ENDPOINT overrides it); None: no tracing
     otlp_endpoint: str | None = None
 
@@ -107,6 +115,13 @@ class EngineConfig:
                              f"got {self.max_input_tokens}")
         if self.queue_timeout is not None and not self.queue_timeout > 0:
             raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")
+        if not 1 <= self.max_best_of <= MAX_SEQUENCES:
+            raise ValueError(f"max_best_of must be in [1, {MAX_SEQUENCES}], got {self.max_best_of}")
+        if not 0 <= self.max_top_n_tokens <= MAX_LOGPROBS:
+            raise ValueError(f"max_top_n_tokens must be in [0, {MAX_LOGPROBS}], "
+                             f"got {self.max_top_n_tokens}")
+        if self.max_stop_sequences < 0:
+            raise ValueError(f"max_stop_sequences must be >= 0, got {self.max_stop_sequences}")
 
     @property
     def total_token_limit(self) -> int:
@@ -147,3 +162,17 @@ class EngineConfig:
     def save(self, model_dir: str | Path) -> None:
         path = Path(model_dir) / ENGINE_FILE
         path.write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+
+
+def linked_repository(model_dir: Path, directory: Path, **engine_settings) -> Path:
+    """A repository serving `model_dir`'s weights (linked, not copied) as model "llm", with
+    `engine_settings` over its engine.json (tritonlm-stress, tests)."""
+    version = directory / "llm" / "1"
+    version.mkdir(parents=True)
+    shutil.copy(model_dir / "config.pbtxt", directory / "llm" / "config.pbtxt")
+    shutil.copy(model_dir / "1" / "model.py", version / "model.py")
+    (version / WEIGHTS_DIR).symlink_to((model_dir / "1" / WEIGHTS_DIR).resolve())
+    settings = json.loads((model_dir / "1" / ENGINE_FILE).read_text())
+    settings.update(engine_settings)
+    (version / ENGINE_FILE).write_text(json.dumps(settings))
+    return directory

@@ -29,6 +29,11 @@ async def read_body(request: Request, schema: type[Model], status: int = 400) ->
         raise APIError(status, f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise APIError(status, "the request body is nested too deeply") from None
+    try:  # JSON's \ud800-style escapes can spell lone surrogates, which no UTF-8 text holds
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(status, f"the request body holds a lone surrogate, not text: {exc}") \
+            from None
     if not isinstance(value, dict):
         raise APIError(status, "the request body must be a JSON object")
     try:

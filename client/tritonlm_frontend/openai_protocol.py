@@ -2,11 +2,15 @@
 sampling keys. Fields a request leaves unset are not sent, so the model's own defaults apply."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import APIError
+
+
+# A prompt's token id: the engine checks the vocabulary; beyond int64 no tensor holds it.
+TokenId = Annotated[int, Field(ge=0, lt=2**63)]
 
 
 class _Lenient(BaseModel):
@@ -145,7 +149,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = 16  # OpenAI's and vLLM's default for completions
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0)

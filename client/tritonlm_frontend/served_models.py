@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -23,6 +23,9 @@ WEIGHTS_DIR = "weights"
 # huggingface_hub's InferenceClient sends "dummy" for a base_url; with one model served, they
 # name it (any other unknown name is a 404).
 TGI_PLACEHOLDER_NAMES = frozenset({"tgi", "dummy"})
+# engine.json's limits on what one request may ask for (TGI's names)
+REQUEST_LIMITS = ("max_concurrent_requests", "max_best_of", "max_stop_sequences",
+                  "max_top_n_tokens")
 
 
 @dataclass
@@ -34,6 +37,8 @@ class ServedModel:
     special_token_ids: frozenset[int] = frozenset()
     device_type: str = "cpu"
     chat_template: str | None = None  # what tool_choice "auto" reads the call format from
+    # engine.json's per-request limits (max_best_of, ...), where the repository is readable
+    limits: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, name: str, config: dict) -> "ServedModel":
@@ -75,9 +80,11 @@ def _read_files(model: ServedModel, repository: Path) -> None:
         return
     engine = version / "engine.json"
     if engine.is_file():  # the engine's settings win over the converter's config.pbtxt values
-        max_model_len = json.loads(engine.read_text()).get("max_model_len")
-        if isinstance(max_model_len, int):
-            model.parameters["max_model_len"] = str(max_model_len)
+        settings = json.loads(engine.read_text())
+        if isinstance(settings.get("max_model_len"), int):
+            model.parameters["max_model_len"] = str(settings["max_model_len"])
+        model.limits = {name: settings[name] for name in REQUEST_LIMITS
+                        if isinstance(settings.get(name), int)}
     weights = version / WEIGHTS_DIR
     model.chat_template = _chat_template(weights)
     if (weights / "tokenizer.json").is_file():

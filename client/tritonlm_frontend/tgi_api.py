@@ -10,9 +10,8 @@ from fastapi.responses import JSONResponse
 from .errors import APIError
 from .generations import SequenceResult, clamped_logprob, collect, first_and_rest, merged
 from .http_utils import read_body, request_id, sse_event, sse_response, unless_disconnected
-from .served_models import ServedModel
-from .tgi_protocol import (MAX_BEST_OF, MAX_CONCURRENT_REQUESTS, MAX_STOP_SEQUENCES,
-                           MAX_TOP_N_TOKENS, CompatBody, GenerateBody, GenerateParameters)
+from .served_models import REQUEST_LIMITS, ServedModel
+from .tgi_protocol import CompatBody, GenerateBody, GenerateParameters
 from .triton_gateway import GenerateRequest, SequenceDelta
 
 router = APIRouter()
@@ -42,9 +41,9 @@ def _error_event(error: APIError) -> str:
 async def _prepare(request: Request, body: GenerateBody, stream: bool) -> GenerateRequest:
     """The Triton request for a TGI body, after TGI's validation (its context checks need the
     model's tokenizer; without one the engine's own checks remain)."""
-    body.check(stream)
-    params = body.parameters
     model = await request.app.state.catalog.get(None)
+    body.check(stream, model.limits)
+    params = body.parameters
     if model.max_model_len:
         tokens = len(model.tokenizer.encode(body.inputs).ids) if model.tokenizer else None
         params.check_length(tokens, model.max_model_len)
@@ -203,10 +202,7 @@ async def info(request: Request):
     return {
         "model_id": model.name, "model_sha": None, "model_pipeline_tag": "text-generation",
         "model_dtype": dtype, "model_device_type": model.device_type,
-        "max_concurrent_requests": int(loaded.get("max_concurrent_requests",
-                                                  MAX_CONCURRENT_REQUESTS)),
-        "max_best_of": MAX_BEST_OF,
-        "max_stop_sequences": MAX_STOP_SEQUENCES, "max_top_n_tokens": MAX_TOP_N_TOKENS,
+        **{name: _limit(loaded, name, model.limits.get(name)) for name in REQUEST_LIMITS},
         "max_input_tokens": _limit(loaded, "max_input_tokens", max_total - 1 if max_total else None),
         "max_total_tokens": _limit(loaded, "max_total_tokens", max_total),
         "validation_workers": 1, "max_client_batch_size": 1,

@@ -9,11 +9,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import APIError
 
-# TGI's launcher defaults for the limits its router enforces (and /info reports).
-MAX_BEST_OF = 2
-MAX_STOP_SEQUENCES = 4
-MAX_TOP_N_TOKENS = 5
-MAX_CONCURRENT_REQUESTS = 128
 DEFAULT_GENERATION_LENGTH = 1024  # TGI checks the context against min(max_new_tokens, this)
 MAX_SEED = 2**63  # the engine's seeds (TGI's are u64)
 
@@ -64,14 +59,16 @@ class GenerateParameters(_Lenient):
                     or (self.typical_p is not None and self.typical_p < 1.0)
                     or (self.best_of or 1) > 1)
 
-    def check(self, stream: bool) -> None:
-        """TGI's router validation (messages as TGI words them)."""
+    def check(self, stream: bool, limits: dict[str, int]) -> None:
+        """TGI's router validation (messages as TGI words them); `limits`: the engine's
+        max_best_of, max_stop_sequences, max_top_n_tokens where known (else the engine checks)."""
         if self.adapter_id is not None:
             raise invalid("`adapter_id` is not supported yet (LoRA adapters)",
                           "parameters.adapter_id")
         best_of = 1 if self.best_of is None else self.best_of
-        if not 0 < best_of <= MAX_BEST_OF:
-            raise invalid(f"`best_of` must be > 0 and <= {MAX_BEST_OF}. Given: {best_of}",
+        max_best_of = limits.get("max_best_of", best_of)
+        if not 0 < best_of <= max_best_of:
+            raise invalid(f"`best_of` must be > 0 and <= {max_best_of}. Given: {best_of}",
                           "parameters.best_of")
         warped = any(v is not None for v in (self.temperature, self.top_k, self.top_p,
                                              self.typical_p))
@@ -85,9 +82,10 @@ class GenerateParameters(_Lenient):
         if self.decoder_input_details and stream:
             raise invalid("`decoder_input_details` == true is not supported when streaming tokens",
                           "parameters.decoder_input_details")
-        self._check_ranges()
+        self._check_ranges(limits)
 
-    def _check_ranges(self) -> None:
+    def _check_ranges(self, limits: dict[str, int]) -> None:
+        max_top_n = limits.get("max_top_n_tokens", self.top_n_tokens)
         checks = (
             ("temperature", self.temperature, lambda v: v > 0, "must be strictly positive"),
             ("repetition_penalty", self.repetition_penalty, lambda v: v > 0,
@@ -99,15 +97,16 @@ class GenerateParameters(_Lenient):
             ("top_k", self.top_k, lambda v: v > 0, "must be strictly positive"),
             ("max_new_tokens", self.max_new_tokens, lambda v: v > 0, "must be strictly positive"),
             ("seed", self.seed, lambda v: 0 <= v < MAX_SEED, f"must be >= 0 and < {MAX_SEED}"),
-            ("top_n_tokens", self.top_n_tokens, lambda v: 0 <= v <= MAX_TOP_N_TOKENS,
-             f"must be >= 0 and <= {MAX_TOP_N_TOKENS}"),
+            ("top_n_tokens", self.top_n_tokens, lambda v: 0 <= v <= max_top_n,
+             f"must be >= 0 and <= {max_top_n}"),
         )
         for name, value, ok, why in checks:
             if value is not None and not ok(value):
                 raise invalid(f"`{name}` {why}. Given: {value}", f"parameters.{name}")
         stop = self.stop or []
-        if len(stop) > MAX_STOP_SEQUENCES:
-            raise invalid(f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. "
+        max_stop = limits.get("max_stop_sequences", len(stop))
+        if len(stop) > max_stop:
+            raise invalid(f"`stop` supports up to {max_stop} stop sequences. "
                           f"Given: {len(stop)}", "parameters.stop")
         if any(not s for s in stop):
             raise invalid("`stop` sequences must not be empty", "parameters.stop")
@@ -189,10 +188,10 @@ class GenerateBody(_Lenient):
     parameters: GenerateParameters = Field(
         default_factory=lambda: GenerateParameters(do_sample=True))
 
-    def check(self, stream: bool) -> None:
+    def check(self, stream: bool, limits: dict[str, int]) -> None:
         if not self.inputs:
             raise invalid("`inputs` cannot be empty", "inputs")
-        self.parameters.check(stream)
+        self.parameters.check(stream, limits)
 
 
 class CompatBody(GenerateBody):

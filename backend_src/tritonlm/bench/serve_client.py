@@ -61,7 +61,7 @@ class GrpcStreamer:
                 return
             self.waiting[request_id] = (record, done)
         fields = _fields(request, self.stream_interval)
-        self.outgoing.put(_infer_request(self.model, request_id, fields))
+        self.outgoing.put(infer_request(self.model, request_id, fields))
         await done
 
     def _read(self, call) -> None:
@@ -104,7 +104,7 @@ class GrpcStreamer:
         self.channel.close()
 
 
-def _infer_request(model: str, request_id: str, fields: dict) -> service_pb2.ModelInferRequest:
+def infer_request(model: str, request_id: str, fields: dict) -> service_pb2.ModelInferRequest:
     request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
     request.parameters["triton_enable_empty_final_response"].bool_param = True
     for name, value in fields.items():

@@ -17,7 +17,7 @@ from tritonlm.engine.detokenizer import IncrementalDetokenizer
 from tritonlm.engine.generation_config import read_generation_config, sampling_defaults
 from tritonlm.distributed.ranks import RankGroup
 from tritonlm.engine.model_runner import ModelRunner, resolve_device
-from tritonlm.engine.request_builder import Request, RequestBuilder
+from tritonlm.engine.request_builder import Request, RequestBuilder, RequestLimits
 from tritonlm.engine.request_state import RequestOutput, RequestState
 from tritonlm.engine.scheduler import Scheduler
 from tritonlm.engine.sequence import FinishReason, Sequence
@@ -101,7 +101,9 @@ class LLMEngine:
             self.tokenizer, self.vocab_size, self.max_model_len, self.block_manager,
             self._decoder_start is not None,
             Grammars(self.tokenizer, self.vocab_size, self.scheduler.eos_token_ids),
-            self.config.input_token_limit, self.config.max_total_tokens)
+            RequestLimits(self.config.input_token_limit, self.config.max_total_tokens,
+                          self.config.max_best_of, self.config.max_stop_sequences,
+                          self.config.max_top_n_tokens))
         self.matchers = GrammarMatchers(self.vocab_size)
         self.runner.sampling_inputs.matchers = self.matchers
         self._seq_ids = itertools.count()

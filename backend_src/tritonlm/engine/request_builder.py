@@ -8,7 +8,7 @@ import jinja2
 from tritonlm.engine.block_manager import BlockManager
 from tritonlm.engine.structured_output import Grammars
 from tritonlm.errors import InvalidRequestError
-from tritonlm.sampling_params import SamplingParams
+from tritonlm.sampling_params import MAX_LOGPROBS, MAX_SEQUENCES, SamplingParams
 
 
 @dataclass
@@ -25,20 +25,32 @@ class Request:
     grammar: object = None  # the compiled params.constraint (engine/structured_output.py)
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for (engine.json's settings, TGI's names). max_total_tokens:
+    set, a prompt plus its max_tokens beyond it is refused (TGI's rule); unset, max_tokens is
+    cut to what max_model_len leaves."""
+    max_input_tokens: int | None = None
+    max_total_tokens: int | None = None
+    max_best_of: int = MAX_SEQUENCES
+    max_stop_sequences: int | None = None
+    max_top_n_tokens: int = MAX_LOGPROBS
+
+
 class RequestBuilder:
     """Safe to use from any thread: it only reads the tokenizer and the engine's limits."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
                  block_manager: BlockManager, encoder_decoder: bool, grammars: Grammars,
-                 max_input_tokens: int | None = None, max_total_tokens: int | None = None):
-        """max_total_tokens: set, a prompt plus its max_tokens beyond it is refused (TGI's
-        rule); unset, max_tokens is cut to what max_model_len leaves."""
+                 limits: RequestLimits = RequestLimits()):
         self.tokenizer = tokenizer
         self.grammars = grammars
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.max_input_tokens = min(max_input_tokens or max_model_len - 1, max_model_len - 1)
-        self.max_total_tokens = max_total_tokens
+        self.limits = limits
+        self.max_input_tokens = min(limits.max_input_tokens or max_model_len - 1,
+                                    max_model_len - 1)
+        self.max_total_tokens = limits.max_total_tokens
         self.blocks = block_manager
         self.encoder_decoder = encoder_decoder
 
@@ -52,6 +64,7 @@ class RequestBuilder:
         if params.prompt_logprobs is not None and self.encoder_decoder:
             raise InvalidRequestError("prompt_logprobs is not supported for encoder-decoder "
                                       "models: their prompt is encoded, not predicted")
+        self._check_limits(params)
         if messages is not None:
             prompt = self.render_chat(messages, add_generation_prompt, chat_template_kwargs)
         if isinstance(prompt, str):
@@ -92,6 +105,19 @@ class RequestBuilder:
         grammar = self.grammars.compile(params.constraint) if params.constraint else None
         return Request(request_id, token_ids, params, text, self._bad_words_ids(params.bad_words),
                        grammar=grammar)
+
+    def _check_limits(self, params: SamplingParams) -> None:
+        limits = self.limits
+        asked = [("n", params.n, "max_best_of", limits.max_best_of),
+                 ("best_of", params.best_of, "max_best_of", limits.max_best_of),
+                 ("stop sequences", len(params.stop), "max_stop_sequences",
+                  limits.max_stop_sequences),
+                 ("logprobs", params.logprobs, "max_top_n_tokens", limits.max_top_n_tokens),
+                 ("prompt_logprobs", params.prompt_logprobs, "max_top_n_tokens",
+                  limits.max_top_n_tokens)]
+        for name, value, limit_name, limit in asked:
+            if value is not None and limit is not None and value > limit:
+                raise InvalidRequestError(f"{name} must be <= {limit_name} ({limit}), got {value}")
 
     def _check_vocabulary(self, name: str, token_ids: list[int]) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]

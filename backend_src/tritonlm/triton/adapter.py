@@ -54,7 +54,9 @@ class TritonPythonModel:
              "speculate": str(config.num_speculative_tokens if config.speculative else 0),
              "max_concurrent_requests": str(config.max_concurrent_requests),
              "max_input_tokens": str(self.engine.request_builder.max_input_tokens),
-             "max_total_tokens": str(config.total_token_limit)}))
+             "max_total_tokens": str(config.total_token_limit),
+             **{name: str(getattr(config, name))
+                for name in ("max_best_of", "max_stop_sequences", "max_top_n_tokens")}}))
         endpoint = otlp_endpoint(self.engine.config.otlp_endpoint)
         self.tracer = RequestTracer(endpoint) if endpoint else None
         if self.tracer is not None:

@@ -76,10 +76,18 @@ def _parser() -> argparse.ArgumentParser:
     limits.add_argument("--queue-timeout", type=float, metavar="SECONDS",
                         help="a request not scheduled within this fails as overloaded "
                              "(default: none)")
+    limits.add_argument("--max-best-of", type=int, metavar="N",
+                        help="sequences one request may ask for (n, best_of) (default: 16)")
+    limits.add_argument("--max-stop-sequences", type=int, metavar="N",
+                        help="stop strings one request may give (default: 16)")
+    limits.add_argument("--max-top-n-tokens", type=int, metavar="N",
+                        help="top alternatives per token one request may ask for (logprobs, "
+                             "TGI's top_n_tokens) (default: 20)")
     return parser
 
 
-LIMITS = ("max_concurrent_requests", "max_input_tokens", "max_total_tokens", "queue_timeout")
+LIMITS = ("max_concurrent_requests", "max_input_tokens", "max_total_tokens", "queue_timeout",
+          "max_best_of", "max_stop_sequences", "max_top_n_tokens")
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9,

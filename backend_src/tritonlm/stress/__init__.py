@@ -1,0 +1,1 @@
+"""Reliability stress runs against a real server (tritonlm-stress; stress/cli.py)."""
