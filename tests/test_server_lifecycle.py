@@ -1,6 +1,9 @@
-"""Stopping or unloading the model while a long generation streams: the request ends with a clear
-error at once, tritonserver exits with its backend stub (no orphan still generating), an unloaded
-model loads and serves again."""
+"""Stopping, killing or unloading the model while a long generation streams: the request ends with
+a clear error at once, tritonserver exits with its backend stub (no orphan still generating), an
+unloaded model loads and a restarted server serves again."""
+import contextlib
+import json
+import shutil
 import subprocess
 import threading
 import time
@@ -8,6 +11,7 @@ import urllib.request
 
 import pytest
 
+from conftest import linked_repository
 from test_server import grpc_stream, http_post, text_of
 from triton_server import _ready, start_server
 from tritonlm.ports import free_ports
@@ -39,24 +43,42 @@ def alive(pid: int) -> bool:
                           text=True).stdout.strip() not in ("", "Z")
 
 
-def test_sigterm_to_a_plain_tritonserver_ends_the_stream_and_the_stub(smollm2_repo, tmp_path):
+@contextlib.contextmanager
+def plain_tritonserver(repo, log_path):
+    """tritonserver as a user runs it, without tritonlm-serve: (process, http, grpc) once ready."""
     http, grpc, metrics = free_ports(3)
-    argv, env = build_command(smollm2_repo.parent, http, grpc, metrics,
+    argv, env = build_command(repo, http, grpc, metrics,
                               extra_args=[f"--exit-timeout-secs={EXIT_TIMEOUT}"])
-    env.pop(EXPLICIT_CONTROL_VARIABLE)  # tritonserver as a user runs it, without tritonlm-serve
+    env.pop(EXPLICIT_CONTROL_VARIABLE)
     argv = [a for a in argv if not a.startswith(("--model-control-mode", "--load-model"))]
-    with open(tmp_path / "server.log", "wb") as log:
+    with open(log_path, "wb") as log:
         server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while not _ready(f"127.0.0.1:{http}"):
             assert server.poll() is None and time.monotonic() < deadline, (
-                tmp_path / "server.log").read_text()[-3000:]
+                log_path.read_text()[-3000:])
             time.sleep(0.25)
+        yield server, f"127.0.0.1:{http}", f"127.0.0.1:{grpc}"
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+def wait_gone(pids: list[int], seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not any(alive(pid) for pid in pids)
+
+
+def test_sigterm_to_a_plain_tritonserver_ends_the_stream_and_the_stub(smollm2_repo, tmp_path):
+    with plain_tritonserver(smollm2_repo.parent, tmp_path / "server.log") as (server, _, grpc):
         stubs = stubs_of(server.pid)
         assert stubs
-        worker, result = streaming(f"127.0.0.1:{grpc}")
+        worker, result = streaming(grpc)
         server.terminate()
         server.wait(EXIT_TIMEOUT + 15)  # (2.51 sometimes aborts in its own exit: malloc() checks)
         # Mostly the request ends with the model's error at once and tritonserver exits within a
@@ -67,14 +89,26 @@ def test_sigterm_to_a_plain_tritonserver_ends_the_stream_and_the_stub(smollm2_re
         if "out" in result:
             results, error = result["out"]
             assert results and error is not None  # mostly "the model is being unloaded"
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in stubs) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(alive(pid) for pid in stubs)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+        assert wait_gone(stubs)
+
+
+def test_sigkill_to_tritonserver_fails_the_stream_leaves_no_stub_and_a_restart_serves(
+        smollm2_repo, tmp_path):
+    """tritonserver killed outright (no unload, no finalize): the client's stream fails, the
+    stub sees its parent gone and exits, and a new server on the same repository serves."""
+    with plain_tritonserver(smollm2_repo.parent, tmp_path / "first.log") as (server, _, grpc):
+        stubs = stubs_of(server.pid)
+        worker, result = streaming(grpc)
+        server.kill()
+        server.wait()
+        worker.join(30)
+        assert not worker.is_alive()
+        results, error = result["out"]
+        assert results and error is not None
+        assert wait_gone(stubs)
+    with plain_tritonserver(smollm2_repo.parent, tmp_path / "second.log") as (_, _, grpc):
+        results, error = grpc_stream(grpc, "Hi", {"max_tokens": 4}, stream=False)
+        assert error is None and text_of(results[-1])
 
 
 def test_unloading_under_load_ends_the_stream_and_the_model_loads_again(smollm2_repo):
@@ -95,3 +129,32 @@ def test_unloading_under_load_ends_the_stream_and_the_model_loads_again(smollm2_
         results, error = grpc_stream(server.grpc_url, "Hi", {"temperature": 0, "max_tokens": 4},
                                      stream=False)
         assert error is None and text_of(results[-1])
+
+
+def test_a_new_version_loaded_while_streaming_takes_over_and_the_old_one_finishes(smollm2_repo,
+                                                                                   tmp_path):
+    """A newer version added to the repository and loaded while version 1 streams: the stream
+    finishes whole (version 1 drains, then unloads), new requests go to version 2, and both
+    versions give the same greedy tokens."""
+    repo = linked_repository(smollm2_repo, tmp_path / "repo", num_kv_blocks=64)
+    sampling = {"temperature": 0, "max_tokens": 200, "ignore_eos": True}
+    with start_server(repo) as server:
+        result: dict = {}
+        worker = threading.Thread(target=lambda: result.update(out=grpc_stream(
+            server.grpc_url, "Tell me a story.", sampling)), daemon=True)
+        worker.start()
+        time.sleep(3)
+        shutil.copytree(repo / "llm" / "1", repo / "llm" / "2", symlinks=True)
+        status, body = http_post(server.http_url, "/v2/repository/models/llm/load", {})
+        assert status == 200, body
+        worker.join(300)
+        old, error = result["out"]
+        assert error is None and sum(len(r.as_numpy("token_ids")) for r in old) == 200
+        index = json.loads(urllib.request.urlopen(
+            f"http://{server.http_url}/v2/repository/index", data=b"{}").read())
+        states = {entry["version"]: entry["state"] for entry in index}
+        assert states["2"] == "READY" and states.get("1", "UNAVAILABLE") == "UNAVAILABLE"
+        new, error = grpc_stream(server.grpc_url, "Tell me a story.", sampling)
+        assert error is None
+        assert [t for r in new for t in r.as_numpy("token_ids")] == [
+            t for r in old for t in r.as_numpy("token_ids")]

@@ -33,7 +33,8 @@ PROMPT_TOKENS = (16, 64)
 def engine_settings(args) -> dict:
     if args.scenario == "kv-pressure":
         blocks = math.ceil((PROMPT_TOKENS[1] + args.output_len) / BLOCK_SIZE)
-        return {"block_size": BLOCK_SIZE, "num_kv_blocks": args.kv_sequences * blocks}
+        return {"block_size": BLOCK_SIZE, "num_kv_blocks": args.kv_sequences * blocks,
+                "max_concurrent_requests": max(128, args.streams)}
     if args.scenario == "overload":
         return {"max_concurrent_requests": args.capacity}
     return {}

@@ -28,6 +28,10 @@ async def gather_limited(jobs, concurrency: int) -> list:
     return await asyncio.gather(*(one(job) for job in jobs))
 
 
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _percentiles(values: list[float]) -> dict:
     if not values:
         return {"count": 0}
@@ -48,12 +52,15 @@ async def kv_pressure(client: Client, probe: MetricsProbe, prompts: list[list[in
     preemptions = probe.samples().get(PREEMPTIONS, 0) - before
     alone = [await client.stream("grpc", p, sampling) for p in prompts]
     errors = [o.error for o in loaded + alone if o.error is not None]
-    mismatches = sum(a.token_ids != b.token_ids for a, b in zip(loaded, alone))
+    mismatches = [(i, _first_difference(a.token_ids, b.token_ids))
+                  for i, (a, b) in enumerate(zip(loaded, alone)) if a.token_ids != b.token_ids]
     short = sum(len(o.token_ids) != output_len for o in loaded)
     idle = probe.wait_idle()
     return {"scenario": "kv-pressure", "streams": len(prompts), "output_len": output_len,
             "loaded_seconds": round(loaded_seconds, 2), "errors": errors[:5],
-            "error_count": len(errors), "mismatches": mismatches, "short": short,
+            "error_count": len(errors), "mismatches": len(mismatches),
+            "mismatched_at": mismatches[:10],  # (stream, first differing token)
+            "short": short,
             "preemptions": preemptions, "idle_gauges": idle,
             "ok": not errors and not mismatches and not short and preemptions > 0
             and not any(idle.values())}
