@@ -150,10 +150,16 @@ def test_a_new_version_loaded_while_streaming_takes_over_and_the_old_one_finishe
         worker.join(300)
         old, error = result["out"]
         assert error is None and sum(len(r.as_numpy("token_ids")) for r in old) == 200
-        index = json.loads(urllib.request.urlopen(
-            f"http://{server.http_url}/v2/repository/index", data=b"{}").read())
-        states = {entry["version"]: entry["state"] for entry in index}
-        assert states["2"] == "READY" and states.get("1", "UNAVAILABLE") == "UNAVAILABLE"
+        deadline = time.monotonic() + 60
+        while True:  # version 1 unloads once its last response went
+            index = json.loads(urllib.request.urlopen(
+                f"http://{server.http_url}/v2/repository/index", data=b"{}").read())
+            states = {entry["version"]: entry["state"] for entry in index}
+            if states.get("1", "UNAVAILABLE") == "UNAVAILABLE":
+                break
+            assert time.monotonic() < deadline, states
+            time.sleep(0.2)
+        assert states["2"] == "READY"
         new, error = grpc_stream(server.grpc_url, "Tell me a story.", sampling)
         assert error is None
         assert [t for r in new for t in r.as_numpy("token_ids")] == [

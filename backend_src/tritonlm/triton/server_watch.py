@@ -7,7 +7,7 @@ model's finalize() comes only after. A long generation then outlived the server,
 stub (which ignores SIGTERM) kept generating, reparented to init. So a thread asks tritonserver
 whether the model is still ready and, once it is not (after having been; a stopping server
 answers "Server not ready"), ends every request with an error at once and stops the engine; if
-the server process itself is gone, the stub exits.
+the server process itself is gone (killed), the stub exits at once.
 """
 import logging
 import os
@@ -31,26 +31,32 @@ class ServerWatch:
         self._is_ready, self._stop, self._exit = is_ready, stop, exit_process
         self._parent = os.getppid()
         self._ended = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="tritonlm-server-watch",
-                                        daemon=True)
+        # Apart: once tritonserver is gone (SIGKILL), a readiness query waits forever on its
+        # reply, and so would responses sent to it: the parent watch exits without either.
+        self._threads = [threading.Thread(target=watch, name=name, daemon=True) for watch, name
+                         in ((self._watch_readiness, "tritonlm-server-watch"),
+                             (self._watch_parent, "tritonlm-parent-watch"))]
 
     def start(self) -> None:
         """Start watching, once (later calls do nothing): from the first request, as before it
         there is nothing to cut short."""
-        if self._thread.ident is None and not self._ended.is_set():
-            self._thread.start()
+        if self._threads[0].ident is None and not self._ended.is_set():
+            for thread in self._threads:
+                thread.start()
 
     def close(self) -> None:
         self._ended.set()
 
-    def _watch(self) -> None:
-        seen_ready = False
+    def _watch_parent(self) -> None:
         while not self._ended.wait(POLL_SECONDS):
             if os.getppid() != self._parent:
-                logger.error("tritonserver exited: stopping the engine and this backend stub")
-                self._stop("tritonserver exited")
+                logger.error("tritonserver exited: this backend stub exits with it")
                 self._exit()
                 return
+
+    def _watch_readiness(self) -> None:
+        seen_ready = False
+        while not self._ended.wait(POLL_SECONDS):
             try:
                 ready = self._is_ready()
             except Exception:  # noqa: BLE001 - "Server not ready": tritonserver is stopping
