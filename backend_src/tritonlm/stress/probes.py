@@ -20,12 +20,12 @@ class ProcessUsage:
     threads: int
     fds: int
     rss_bytes: int
-    per_process: dict  # "name pid" -> (threads, fds)
+    per_process: dict  # "name pid" -> (threads, fds, RSS MiB)
 
     def as_dict(self) -> dict:
         return {"processes": self.processes, "threads": self.threads, "fds": self.fds,
                 "rss_mib": round(self.rss_bytes / 2**20, 1),
-                "threads_fds_per_process": self.per_process}
+                "threads_fds_rss_per_process": self.per_process}
 
 
 def grew(before: ProcessUsage, after: ProcessUsage) -> bool:
@@ -71,7 +71,8 @@ def usage(root_pids: list[int]) -> ProcessUsage:
     parts = {pid: _usage_of(pid) for pid in pids}
     return ProcessUsage(len(pids), sum(p[1] for p in parts.values()),
                         sum(p[2] for p in parts.values()), sum(p[3] for p in parts.values()),
-                        {f"{p[0]} {pid}": (p[1], p[2]) for pid, p in parts.items()})
+                        {f"{p[0]} {pid}": (p[1], p[2], round(p[3] / 2**20, 1))
+                         for pid, p in parts.items()})
 
 
 class MetricsProbe:
