@@ -139,16 +139,16 @@ async def overload(client: Client, probe: MetricsProbe, pids: list[int], capacit
     other = [o.error for o in outcomes if o.error is not None and not o.refused]
     calibrated = _percentiles([o.seconds for o in calibration if o.error is None])
     served = _percentiles([o.seconds for o in accepted])
+    refusals = _percentiles([o.seconds for o in refused])
     gauges = probe.wait_idle()
     return {"scenario": "overload", "capacity": capacity, "seconds": seconds,
             "offered_per_second": round(throughput * multiple, 2),
             "capacity_per_second": round(throughput, 2), "offered": len(outcomes),
             "calibration_latency": calibrated, "accepted_latency": served,
-            "refused": len(refused), "refusal_latency": _percentiles([o.seconds for o in refused]),
+            "refused": len(refused), "refusal_latency": refusals,
             "other_errors": other[:5], "other_error_count": len(other),
             "rss_mib_idle": round(idle.rss_bytes / 2**20, 1),
             "rss_mib_peak": round(peak / 2**20, 1), "idle_gauges": gauges,
             "ok": not other and bool(refused) and bool(accepted)
             and served["p99"] <= 2 * calibrated["p99"] + FAST
-            and _percentiles([o.seconds for o in refused])["p99"] < FAST
-            and not any(gauges.values())}
+            and refusals["p99"] < FAST and not any(gauges.values())}

@@ -7,7 +7,7 @@ import time
 
 from tritonlm.stress.clients import Client
 from tritonlm.stress.probes import MetricsProbe, grew, usage
-from tritonlm.stress.scenarios import (gather_limited, settled_usage, text_prompts,
+from tritonlm.stress.scenarios import (WORDS, gather_limited, settled_usage, text_prompts,
                                        warmed_idle_usage)
 
 WARM_UP_SHARE = 0.2  # of the run: memory is compared from its end on
@@ -31,7 +31,7 @@ def mixed_request(rng: random.Random, protocols: list[str], max_tokens: int):
     elif choice < 0.75 and protocol in ("grpc", "http"):
         sampling.update(n=2, temperature=1.0)
     elif choice < 0.9:
-        sampling.update(stop=[rng.choice(text_prompts(1, rng, words=(1, 1)))])
+        sampling.update(stop=[rng.choice(WORDS)])
     elif protocol in ("grpc", "http"):
         sampling.update(logprobs=rng.randint(0, 5))
     bad = rng.random() < 0.05 and protocol != "tgi"
