@@ -50,7 +50,6 @@ class RequestBuilder:
         self.limits = limits
         self.max_input_tokens = min(limits.max_input_tokens or max_model_len - 1,
                                     max_model_len - 1)
-        self.max_total_tokens = limits.max_total_tokens
         self.blocks = block_manager
         self.encoder_decoder = encoder_decoder
 
@@ -89,12 +88,13 @@ class RequestBuilder:
                 f"prompt has {len(token_ids)} tokens, more than max_input_tokens "
                 f"({self.max_input_tokens}; max_model_len is {self.max_model_len}, and a prompt "
                 "leaves room for a new token)")
-        if (self.max_total_tokens is not None and params.max_tokens is not None
+        max_total = self.limits.max_total_tokens
+        if (max_total is not None and params.max_tokens is not None
                 and not self.encoder_decoder
-                and len(token_ids) + params.max_tokens > self.max_total_tokens):
+                and len(token_ids) + params.max_tokens > max_total):
             raise InvalidRequestError(
                 f"prompt tokens + max_tokens must be <= max_total_tokens "
-                f"({self.max_total_tokens}): given {len(token_ids)} prompt tokens and "
+                f"({max_total}): given {len(token_ids)} prompt tokens and "
                 f"{params.max_tokens} max_tokens")
         blocks_for = self.blocks.blocks_for
         # Encoder-decoder: the prompt fills cross blocks and the decoder needs one more.
