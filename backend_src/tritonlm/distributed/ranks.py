@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from tritonlm.distributed import parallel_state
 from tritonlm.errors import EngineFatalError
+from tritonlm.interpreter import python_executable
 from tritonlm.ports import free_ports
 
 logger = logging.getLogger(__name__)
@@ -48,13 +48,6 @@ def _rendezvous() -> str:
     return f"tcp://127.0.0.1:{free_ports(1)[0]}"
 
 
-def _python() -> str:
-    """This environment's interpreter (inside Triton's stub, sys.executable is the stub)."""
-    if Path(sys.executable).name.startswith("python"):
-        return sys.executable
-    return str(Path(sys.prefix) / "bin" / "python3")
-
-
 class RankGroup:
     """The tensor-parallel ranks of one engine, seen from rank 0."""
 
@@ -66,7 +59,7 @@ class RankGroup:
         if not os.environ.get(EXTERNAL_WORKERS_VARIABLE):
             settings = json.dumps(overrides)
             self.workers = [subprocess.Popen(
-                [_python(), "-m", "tritonlm.distributed.worker", str(model_dir), "--rank", str(rank),
+                [python_executable(), "-m", "tritonlm.distributed.worker", str(model_dir), "--rank", str(rank),
                  "--world-size", str(world_size), "--init-method", init_method,
                  "--overrides", settings, "--parent-pid", str(os.getpid())])
                 for rank in range(1, world_size)]

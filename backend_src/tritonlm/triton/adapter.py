@@ -2,6 +2,7 @@
 
 `execute()` only validates and enqueues; the engine thread steps the batch and sends responses.
 """
+import gc
 import json
 import logging
 import os
@@ -47,7 +48,7 @@ class TritonPythonModel:
         self.async_engine.start()
         self.engine = self.async_engine.engine
         config = self.engine.config
-        self.engine.observers.append(TritonMetrics(
+        self.metrics = TritonMetrics(
             self.model_name, args["model_version"], self.engine.max_model_len,
             {"dtype": config.dtype, "kv_cache_dtype": config.kv_cache_dtype,
              "device": str(self.engine.runner.device),
@@ -56,13 +57,13 @@ class TritonPythonModel:
              "max_input_tokens": str(self.engine.request_builder.max_input_tokens),
              "max_total_tokens": str(config.total_token_limit),
              **{name: str(getattr(config, name))
-                for name in ("max_best_of", "max_stop_sequences", "max_top_n_tokens")}}))
+                for name in ("max_best_of", "max_stop_sequences", "max_top_n_tokens")}})
+        self.engine.observers.append(self.metrics)
         endpoint = otlp_endpoint(self.engine.config.otlp_endpoint)
         self.tracer = RequestTracer(endpoint) if endpoint else None
         if self.tracer is not None:
             self.engine.observers.append(self.tracer)
-        self.server_watch = ServerWatch(lambda: pb_utils.is_model_ready(self.model_name),
-                                        self._stop_serving)
+        self.server_watch = ServerWatch(self.model_name, self._stop_serving)
         logger.info("tritonlm serving %s in %s: %d KV blocks of %d tokens, max_model_len %d",
                     model_dir, config.dtype, self.engine.runner.num_blocks, config.block_size,
                     self.engine.max_model_len)
@@ -130,6 +131,12 @@ class TritonPythonModel:
         self.async_engine.shutdown()
         if self.tracer is not None:
             self.tracer.shutdown()
+        # The engine (its requests' response senders) and the metrics hold pb_utils objects, in
+        # cycles with this model (bound methods) that only the interpreter's exit would free,
+        # after the stub's shared memory is gone: each delete then crashed the stub, a segfault
+        # at every stop. Free them while the stub still runs.
+        vars(self).clear()
+        gc.collect()
 
 
 def _trace_parent(request) -> str | None:
