@@ -74,6 +74,10 @@ class EngineConfig:
     max_best_of: int = MAX_SEQUENCES
     max_stop_sequences: int = 16
     max_top_n_tokens: int = MAX_LOGPROBS
+    # LoRA adapters (the version's multi_lora.json): how many one step may serve (requests of
+    # others wait), and the largest rank an adapter may have (None: the largest registered)
+    max_loras: int = 4
+    max_lora_rank: int | None = None
     # OTLP/HTTP traces endpoint (TRITONLM_OTLP_ENDPOINT overrides it); None: no tracing
     otlp_endpoint: str | None = None
 
@@ -120,6 +124,9 @@ class EngineConfig:
         if not 0 <= self.max_top_n_tokens <= MAX_LOGPROBS:
             raise ValueError(f"max_top_n_tokens must be in [0, {MAX_LOGPROBS}], "
                              f"got {self.max_top_n_tokens}")
+        if self.max_loras < 1 or (self.max_lora_rank is not None and self.max_lora_rank < 1):
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} "
+                             f"and {self.max_lora_rank}")
         if self.max_stop_sequences < 0:
             raise ValueError(f"max_stop_sequences must be >= 0, got {self.max_stop_sequences}")
 

@@ -36,6 +36,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
     watermark: bool = False  # TGI's (tritonlm/watermark.py)
     speculative: bool = True  # false: no speculative decoding for this request
+    # A fine-tuned adapter the model serves (its repository's multi_lora.json); None: the base
+    lora_name: str | None = None
     # Structured output (vLLM's keys; output_constraints.py): one of them, as `constraint`
     structured_outputs: dict | None = None
     guided_json: dict | str | None = None
@@ -133,6 +135,7 @@ _FIELD_TYPES = {
     "stop_token_ids": (list, tuple), "bad_words": (list, tuple),
     "include_stop_str_in_output": bool, "ignore_eos": bool,
     "skip_special_tokens": bool, "watermark": bool, "speculative": bool,
+    "lora_name": (str, type(None)),
     "structured_outputs": (dict, type(None)), "guided_json": (dict, str, type(None)),
     "guided_regex": (str, type(None)), "guided_choice": (list, type(None)),
     "guided_grammar": (str, type(None)),

@@ -127,7 +127,8 @@ class BlockManager:
         hashes = seq.content_hashes
         while len(hashes) <= index:
             start = len(hashes) * self.block_size
-            previous = hashes[-1] if hashes else None
+            # an adapter computes other KV from the same tokens: its chains are its own
+            previous = hashes[-1] if hashes else ("lora", seq.lora_id)
             hashes.append(hash((previous, tuple(seq.token_ids[start:start + self.block_size]))))
         return hashes[index]
 

@@ -88,7 +88,8 @@ class LLMEngine:
                                    self._eos_token_ids(generation_config),
                                    self.runner.max_decode_run,
                                    make_proposer(self.config, model_dir, self.tokenizer),
-                                   self.config.speculative_disable_by_batch_size)
+                                   self.config.speculative_disable_by_batch_size,
+                                   self.config.max_loras)
         # The model's recommended sampling keys, for requests that leave them unset.
         self.sampling_defaults = sampling_defaults(generation_config)
         if self.sampling_defaults:
@@ -103,7 +104,8 @@ class LLMEngine:
             Grammars(self.tokenizer, self.vocab_size, self.scheduler.eos_token_ids),
             RequestLimits(self.config.input_token_limit, self.config.max_total_tokens,
                           self.config.max_best_of, self.config.max_stop_sequences,
-                          self.config.max_top_n_tokens))
+                          self.config.max_top_n_tokens),
+            {adapter.name: adapter.lora_id for adapter in self.runner.adapters})
         self.matchers = GrammarMatchers(self.vocab_size)
         self.runner.sampling_inputs.matchers = self.matchers
         self._seq_ids = itertools.count()
@@ -144,7 +146,8 @@ class LLMEngine:
             max_total = min(max_total, len(prompt) + p.max_tokens)
         seed = p.seed if p.seed is not None else random.getrandbits(63)
         seq = Sequence(next(self._seq_ids), request.request_id, prompt, p, seed, max_total,
-                       request.bad_words_ids, encoder_token_ids=encoder_input)
+                       request.bad_words_ids, encoder_token_ids=encoder_input,
+                       lora_id=request.lora_id)
 
         def make_detokenizer():
             return IncrementalDetokenizer(self._decoder, prompt,
@@ -270,7 +273,7 @@ class LLMEngine:
             seed = (first.seed + index * _SEED_STRIDE) % (1 << 63)
             child = Sequence(next(self._seq_ids), first.request_id, first.prompt_token_ids,
                              first.params, seed, first.max_total_tokens, first.bad_words_ids, index,
-                             first.encoder_token_ids)
+                             first.encoder_token_ids, first.lora_id)
             state.add_sequence(child)
             self._seq_requests[child.seq_id] = state
             self.matchers.fork(first.seq_id, child.seq_id)

@@ -14,6 +14,8 @@ from tritonlm.engine.decode_graphs import DecodeGraphs, batch_buckets, program_b
 from tritonlm.engine.decode_run import (CUDA_DECODE_RUN, decode_run, sampled_tokens,
                                         verification_plan)
 from tritonlm.engine.kv_cache_sizing import GIB, cuda_kv_cache_budget, profile_steps
+from tritonlm.engine.lora_registry import read_registry
+from tritonlm.engine.lora_slots import LoRASlots
 from tritonlm.engine.prompt_logprobs import prompt_logprobs
 from tritonlm.engine.sampling_inputs import SamplingInputs
 from tritonlm.engine.step_inputs import StepInputBuilder
@@ -58,6 +60,8 @@ class ModelRunner:
         self.model = load_model(weights_dir, hf_config, self.dtype, self.device,
                                 config.max_model_len, tp.rank)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        self.adapters = read_registry(weights_dir.parent, config.max_lora_rank)
+        self.lora = self._lora_slots(hf_config) if self.adapters else None
         quantized = [m for m in self.model.modules() if isinstance(m, QuantizedWeight)]
         if quantized:  # settled (and logged) only for a model that has quantized weights
             int8_inputs = resolve_int8_activations(config.quantized_activations, self.device)
@@ -97,6 +101,12 @@ class ModelRunner:
         # Decode runs go through the decode graphs' buffers (inputs from the device).
         run = config.num_scheduler_steps or (CUDA_DECODE_RUN if self.device.type == "cuda" else 1)
         self.max_decode_run = run if self.decode_graphs is not None else 1
+
+    def _lora_slots(self, hf_config) -> LoRASlots:
+        if getattr(hf_config, "is_encoder_decoder", False):
+            raise ValueError("LoRA adapters are served for decoder-only models")
+        max_rank = self.config.max_lora_rank or max(a.max_rank for a in self.adapters)
+        return LoRASlots(self.model, self.adapters, self.config.max_loras, max_rank, self.device)
 
     def _decode_graphs(self, scratch_block: int) -> DecodeGraphs:
         record = self._records_programs()
@@ -278,7 +288,9 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan):
         self._forward_setup(plan)
-        if self.decode_graphs is not None and self.decode_graphs.covers(plan.chunks):
+        uses_lora = self.lora is not None and self.lora.prepare(plan.chunks)
+        if (not uses_lora and self.decode_graphs is not None
+                and self.decode_graphs.covers(plan.chunks)):
             sampling = [i for i, c in enumerate(plan.chunks) if c.sampling is not None]
             return (self.decode_graphs.run(plan.chunks),
                     torch.tensor(sampling, dtype=torch.int64, device=self.device))

@@ -23,6 +23,7 @@ class Request:
     trace_parent: str | None = None  # W3C traceparent to continue
     stream: bool = True  # False: one output, when the request ends (vLLM's FINAL_ONLY)
     grammar: object = None  # the compiled params.constraint (engine/structured_output.py)
+    lora_id: int = 0  # params.lora_name's id; 0: the base model
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,8 @@ class RequestBuilder:
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
                  block_manager: BlockManager, encoder_decoder: bool, grammars: Grammars,
-                 limits: RequestLimits = RequestLimits()):
+                 limits: RequestLimits = RequestLimits(), lora_ids: dict[str, int] | None = None):
+        """`lora_ids`: the adapters served, by name."""
         self.tokenizer = tokenizer
         self.grammars = grammars
         self.vocab_size = vocab_size
@@ -52,6 +54,7 @@ class RequestBuilder:
                                     max_model_len - 1)
         self.blocks = block_manager
         self.encoder_decoder = encoder_decoder
+        self.lora_ids = lora_ids or {}
 
     def build(self, request_id: str, prompt: str | list[int] | None = None,
               params: SamplingParams | None = None, messages: list[dict] | None = None,
@@ -64,6 +67,7 @@ class RequestBuilder:
             raise InvalidRequestError("prompt_logprobs is not supported for encoder-decoder "
                                       "models: their prompt is encoded, not predicted")
         self._check_limits(params)
+        lora_id = self._lora_id(params.lora_name)
         if messages is not None:
             prompt = self.render_chat(messages, add_generation_prompt, chat_template_kwargs)
         if isinstance(prompt, str):
@@ -104,7 +108,15 @@ class RequestBuilder:
             raise InvalidRequestError(f"prompt of {len(token_ids)} tokens does not fit the KV cache")
         grammar = self.grammars.compile(params.constraint) if params.constraint else None
         return Request(request_id, token_ids, params, text, self._bad_words_ids(params.bad_words),
-                       grammar=grammar)
+                       grammar=grammar, lora_id=lora_id)
+
+    def _lora_id(self, name: str | None) -> int:
+        if name is None:
+            return 0
+        if name not in self.lora_ids:
+            served = ", ".join(sorted(self.lora_ids)) or "none"
+            raise InvalidRequestError(f"unknown LoRA adapter {name!r}; this model serves: {served}")
+        return self.lora_ids[name]
 
     def _check_limits(self, params: SamplingParams) -> None:
         limits = self.limits

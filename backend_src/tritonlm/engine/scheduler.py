@@ -11,14 +11,16 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, eos_token_ids: frozenset[int],
                  max_decode_run: int = 1, proposer: Proposer | None = None,
-                 max_speculating_batch: int = 0):
+                 max_speculating_batch: int = 0, max_loras: int = 1):
         """`max_decode_run`: the most decode steps one plan may ask for in a row (StepPlan.
         num_steps); 1 where the runner cannot chain them. `proposer`: drafts for speculative
-        decoding while fewer than `max_speculating_batch` sequences run."""
+        decoding while fewer than `max_speculating_batch` sequences run. `max_loras`: distinct
+        adapters the running batch may use; a request of another waits."""
         self.block_manager = block_manager
         self.max_decode_run = max_decode_run
         self.proposer, self.max_speculating_batch = proposer, max_speculating_batch
         self.max_num_seqs = max_num_seqs
+        self.max_loras = max_loras
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
@@ -75,8 +77,13 @@ class Scheduler:
             in_flight = {h for s in self.running
                          for h in self.block_manager.pending_block_hashes(s)} \
                 if self.waiting else set()
+            adapters = {s.lora_id for s in self.running} - {0}
+            passed: list[Sequence] = []  # of adapters the batch has no room for: they wait
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
+                if seq.lora_id and seq.lora_id not in adapters and len(adapters) >= self.max_loras:
+                    passed.append(self.waiting.popleft())
+                    continue
                 encoding = 0 if seq.encoder_computed else len(seq.encoder_token_ids or ())
                 if encoding >= budget and plan.chunks:
                     break  # the encoder runs in one piece: in a step of its own if need be
@@ -98,7 +105,10 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 in_flight.update(self.block_manager.pending_block_hashes(seq))
+                if seq.lora_id:
+                    adapters.add(seq.lora_id)
                 budget -= encoding + self._schedule_chunk(seq, num_new, plan, admitted=True)
+            self.waiting.extendleft(reversed(passed))
         if plan.is_empty:  # the runner sees finished sequences with the next real step
             self._finished_ids = plan.finished_seq_ids
         return plan
@@ -141,8 +151,9 @@ class Scheduler:
             return 1
         if self.waiting and len(self.running) < self.max_num_seqs:
             return 1
+        # (the decode graphs a run replays know no adapters)
         if not all(seq.num_uncomputed_tokens == 1 and self._samples_on_device(seq)
-                   for seq in self.running):
+                   and not seq.lora_id for seq in self.running):
             return 1
         steps = min(self.max_decode_run,
                     min(seq.max_total_tokens - seq.num_tokens for seq in self.running))
@@ -210,7 +221,7 @@ class Scheduler:
             encoder_token_ids=None if seq.encoder_computed or not encoder else list(encoder),
             cross_block_table=list(seq.cross_block_table), encoder_len=len(encoder),
             prompt_targets=targets, num_prompt_logprobs=seq.params.prompt_logprobs or 0,
-            num_draft_tokens=len(draft)))
+            num_draft_tokens=len(draft), lora_id=seq.lora_id))
         return num_new + len(draft)
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:

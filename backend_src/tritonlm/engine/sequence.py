@@ -21,13 +21,14 @@ class Sequence:
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, max_total_tokens: int,
                  bad_words_ids: list[list[int]] = (), index: int = 0,
-                 encoder_token_ids: list[int] | None = None):
+                 encoder_token_ids: list[int] | None = None, lora_id: int = 0):
         self.seq_id = seq_id
         self.index = index  # among the request's n / best_of sequences
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        self.lora_id = lora_id  # its adapter; 0: the base model
         # Sampling noise depends only on (seed, output index): batch-independent and resumable.
         self.seed = seed
         # min(max_model_len, prompt + max_tokens)

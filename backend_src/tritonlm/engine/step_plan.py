@@ -36,6 +36,7 @@ class ScheduledChunk:
     # position as well as the last (output indices on from sampling.output_index); the scheduler
     # keeps the proposals that equal the tokens sampled before them, then one sampled token more.
     num_draft_tokens: int = 0
+    lora_id: int = 0  # the sequence's adapter (engine/lora_registry.py); 0: the base model
 
 
 @dataclass

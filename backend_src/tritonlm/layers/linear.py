@@ -13,6 +13,7 @@ from torch import nn
 
 from tritonlm.distributed import parallel_state
 from tritonlm.layers import cpu_gemm
+from tritonlm.layers.lora import LayerLoRA
 from tritonlm.layers.quantization import QUANTIZED, QuantizedWeight, rows_of_parts
 
 
@@ -45,13 +46,18 @@ def local_kv_heads(num_heads: int, num_kv_heads: int, rank: int, world_size: int
 class _ShardedLinear(nn.Linear):
     """A Linear holding `shard_index` of the full weight's features along `shard_dim`. The
     loader may swap its weight for quantized storage (`use_quantized_weight`), the model runner
-    for a CPU-prepacked one (`prepack_for_cpu`)."""
+    for a CPU-prepacked one (`prepack_for_cpu`) and give it LoRA slots (`lora`).
+    `full_features`: (in, out) of the whole weight; `part_sizes`: the output features of each
+    part a fused layer is made of."""
     shard_dim = 0
     packed: cpu_gemm.PackedWeight | None = None
     gated = False  # [gate; up] halves, which a packed weight may turn into act(gate) * up
+    lora: LayerLoRA | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, index: np.ndarray):
         self.shard_index = index
+        self.full_features = (in_features, out_features)
+        self.part_sizes = [out_features]
         local = len(index)
         if self.shard_dim == 0:
             super().__init__(in_features, local, bias=bias)
@@ -86,7 +92,14 @@ class _ShardedLinear(nn.Linear):
         return F.linear(x, self.dense_weight(x.dtype), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        return self._with_lora(self.matmul(x, self.bias), x)
+
+    def _with_lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return y if self.lora is None else self.lora.add_to(y, x)
+
+    @property
+    def lora_active(self) -> bool:
+        return self.lora is not None and self.lora.active
 
     def shard_parts(self, leaf: str, part_sizes: list[int]) -> list[tuple[int, np.ndarray] | None]:
         """How to cut this rank's slice from each checkpoint part (concatenated along dim 0) of
@@ -110,12 +123,13 @@ class ColumnParallelLinear(_ShardedLinear):
         index = np.concatenate([offset + even_split(size, tp.rank, tp.world_size)
                                 for offset, size in zip(offsets, segments)])
         super().__init__(in_features, sum(segments), bias, index)
+        self.part_sizes = segments
         self.gated = gated
 
     def act_and_mul(self, x: torch.Tensor, activation: int) -> torch.Tensor | None:
         """act(gate) * up of a gated layer in the matmul itself (`activation` a fused code,
         layers.activation.FUSED_CODES), or None where the weight's kernel cannot."""
-        if self.packed is None or not self.packed.gated:
+        if self.packed is None or not self.packed.gated or self.lora_active:
             return None
         return self.packed.matmul(x, self.bias, activation)
 
@@ -142,6 +156,8 @@ class QKVParallelLinear(_ShardedLinear):
                      + [num_heads + num_kv_heads + g for g in kv_heads])
         index = (np.array(heads)[:, None] * head_dim + np.arange(head_dim)).reshape(-1)
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, index)
+        if not grouped:  # q, k, v: separate checkpoint parts where the family saves them so
+            self.part_sizes = [num_heads * head_dim] + [num_kv_heads * head_dim] * 2
 
 
 class ReplicatedLinear(_ShardedLinear):
@@ -163,5 +179,5 @@ class RowParallelLinear(_ShardedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if parallel_state.current().world_size == 1:
             return super().forward(x)
-        out = parallel_state.all_reduce(self.matmul(x, None))
+        out = parallel_state.all_reduce(self._with_lora(self.matmul(x, None), x))
         return out + self.bias if self.bias is not None else out

@@ -1,0 +1,110 @@
+"""Multi-LoRA: each adapter's greedy tokens equal the peft library's merged model in
+transformers; a batch mixing adapters and the base model equals each request alone; adapters
+beyond max_loras wait; bad adapters and names are clear errors."""
+import pytest
+from transformers import (GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          OPTConfig, OPTForCausalLM)
+
+from family_check import TINY_LLAMA, random_prompts, reference_greedy, save_tiny
+from lora_check import merged_greedy, register, save_adapter
+from tritonlm import LLM, SamplingParams
+from tritonlm.errors import InvalidRequestError
+
+NEW_TOKENS = 16
+FAMILIES = {
+    "llama": (LlamaForCausalLM, lambda v: LlamaConfig(**TINY_LLAMA, vocab_size=v),
+              ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+              ["q_proj", "v_proj"]),
+    "gpt_neox": (GPTNeoXForCausalLM, lambda v: GPTNeoXConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        initializer_range=0.15, max_position_embeddings=256, vocab_size=v),
+        ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"], ["query_key_value"]),
+    "opt": (OPTForCausalLM, lambda v: OPTConfig(
+        hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+        word_embed_proj_dim=64, max_position_embeddings=256, vocab_size=v, init_std=0.15),
+        ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"], ["k_proj", "fc1"]),
+}
+
+
+def build(tmp_path, tokenizer, family: str):
+    """A converted tiny model of `family` with two adapters: "all" (every linear layer, rank 8)
+    and "some" (a few modules, rank 4, rsLoRA); their references and the prompts."""
+    from tritonlm_convert.convert import convert
+    model_class, config, all_modules, some_modules = FAMILIES[family]
+    base = tmp_path / "hf"
+    save_tiny(base, model_class, config(len(tokenizer)), tokenizer)
+    model_dir = convert(str(base), tmp_path / "repo", dtype="float32")
+    adapters = {
+        "all": save_adapter(base, model_class, tmp_path / "all", 1, r=8, lora_alpha=16,
+                            target_modules=all_modules),
+        "some": save_adapter(base, model_class, tmp_path / "some", 2, r=4, lora_alpha=8,
+                             use_rslora=True, target_modules=some_modules),
+    }
+    register(model_dir, adapters)
+    prompts = random_prompts(3, len(tokenizer), seed=3)
+    references = {name: merged_greedy(base, model_class, path, prompts, NEW_TOKENS)
+                  for name, path in adapters.items()}
+    references[None] = [reference_greedy(model_class.from_pretrained(base).eval(), p, NEW_TOKENS)
+                        for p in prompts]
+    return model_dir, prompts, references
+
+
+def greedy(lora_name=None) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                          lora_name=lora_name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_adapter_equals_peft_merged_and_a_mixed_batch_equals_each_alone(
+        tmp_path, smollm2_tokenizer, family):
+    model_dir, prompts, references = build(tmp_path, smollm2_tokenizer, family)
+    assert references["all"] != references[None] != references["some"]
+    with LLM(str(model_dir), block_size=8) as llm:
+        for name, expected in references.items():
+            alone = [llm.generate(p, greedy(name))[0].token_ids for p in prompts]
+            assert alone == expected, name
+        # every prompt under every adapter and the base in one batch (prefix caching on: the
+        # same prompt's blocks differ by adapter)
+        names = list(references)
+        mixed = llm.generate([p for p in prompts for _ in names],
+                             [greedy(n) for _ in prompts for n in names])
+        assert [o.token_ids for o in mixed] == [references[n][i] for i in range(len(prompts))
+                                                for n in names]
+
+
+def test_adapters_beyond_max_loras_wait_and_finish_the_same(tmp_path, smollm2_tokenizer):
+    model_dir, prompts, references = build(tmp_path, smollm2_tokenizer, "llama")
+    with LLM(str(model_dir), block_size=8, max_loras=1) as llm:
+        names = ["all", "some", None, "all"]
+        outputs = llm.generate([prompts[0]] * len(names), [greedy(n) for n in names])
+        assert [o.token_ids for o in outputs] == [references[n][0] for n in names]
+        with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'nope'.*all, some"):
+            llm.generate(prompts[0], greedy("nope"))
+
+
+def test_bad_adapters_are_refused_at_load_naming_why(tmp_path, smollm2_tokenizer):
+    from tritonlm_convert.convert import convert
+    base = tmp_path / "hf"
+    save_tiny(base, LlamaForCausalLM, LlamaConfig(**TINY_LLAMA, vocab_size=len(smollm2_tokenizer)),
+              smollm2_tokenizer)
+    model_dir = convert(str(base), tmp_path / "repo", dtype="float32")
+    rank8 = save_adapter(base, LlamaForCausalLM, tmp_path / "rank8", 1, r=8, lora_alpha=8,
+                         target_modules=["q_proj"])
+    register(model_dir, {"rank8": rank8})
+    with pytest.raises(ValueError, match=r"rank 8, over max_lora_rank \(4\)"):
+        LLM(str(model_dir), max_lora_rank=4)
+    other = tmp_path / "other"  # a wider Llama: an adapter of another base model
+    save_tiny(other, LlamaForCausalLM, LlamaConfig(**{**TINY_LLAMA, "hidden_size": 32},
+                                                   vocab_size=len(smollm2_tokenizer)),
+              smollm2_tokenizer)
+    register(model_dir, {"wide": save_adapter(other, LlamaForCausalLM, tmp_path / "wide", 1, r=4,
+                                              lora_alpha=8, target_modules=["q_proj"])})
+    with pytest.raises(ValueError, match="'wide'.*takes 64 inputs.*another base model"):
+        LLM(str(model_dir))
+    neox = tmp_path / "neox"
+    save_tiny(neox, GPTNeoXForCausalLM, FAMILIES["gpt_neox"][1](len(smollm2_tokenizer)),
+              smollm2_tokenizer)
+    register(model_dir, {"neox": save_adapter(neox, GPTNeoXForCausalLM, tmp_path / "n", 1, r=4,
+                                              lora_alpha=8, target_modules=["dense"])})
+    with pytest.raises(ValueError, match="'neox' targets gpt_neox.layers.0.attention.dense"):
+        LLM(str(model_dir))
