@@ -56,7 +56,7 @@ BAD_BODIES = [
     (params(do_sample="yes"), ["parameters.do_sample"]),
     (params(grammar={"type": "xml", "value": "<a/>"}), ["`grammar.type`", "json"]),
     (params(grammar="[a-z]+"), ["`grammar`", "type"]),
-    (params(adapter_id="my-lora"), ["`adapter_id`", "not supported yet"]),
+    (params(adapter_id="my-lora"), ["unknown LoRA adapter 'my-lora'", "serves: none"]),
 ]
 
 
@@ -95,7 +95,7 @@ def test_clients_raise_validation_errors_and_the_server_keeps_serving(smollm2_se
     with pytest.raises(TGIValidationError, match="inputs"):
         list(tgi.generate_stream(LONG_PROMPT, max_new_tokens=2))
     hf = InferenceClient(base_url=smollm2_server.frontend_url, timeout=TIMEOUT)
-    with pytest.raises(HubValidationError, match="not supported yet"):
+    with pytest.raises(HubValidationError, match="unknown LoRA adapter 'my-lora'"):
         hf.text_generation(PROMPT, max_new_tokens=2, adapter_id="my-lora")
     with pytest.raises(HubValidationError, match="inputs"):
         list(hf.text_generation(LONG_PROMPT, max_new_tokens=2, stream=True))

@@ -1,53 +1,16 @@
 """Multi-LoRA: each adapter's greedy tokens equal the peft library's merged model in
 transformers; a batch mixing adapters and the base model equals each request alone; adapters
 beyond max_loras wait; bad adapters and names are clear errors."""
-import pytest
-from transformers import (GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM,
-                          OPTConfig, OPTForCausalLM)
+import subprocess
+import sys
 
-from family_check import TINY_LLAMA, random_prompts, reference_greedy, save_tiny
-from lora_check import merged_greedy, register, save_adapter
+import pytest
+from transformers import GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from family_check import TINY_LLAMA, random_prompts, save_tiny
+from lora_check import FAMILIES, NEW_TOKENS, build, merged_greedy, register, save_adapter
 from tritonlm import LLM, SamplingParams
 from tritonlm.errors import InvalidRequestError
-
-NEW_TOKENS = 16
-FAMILIES = {
-    "llama": (LlamaForCausalLM, lambda v: LlamaConfig(**TINY_LLAMA, vocab_size=v),
-              ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-              ["q_proj", "v_proj"]),
-    "gpt_neox": (GPTNeoXForCausalLM, lambda v: GPTNeoXConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        initializer_range=0.15, max_position_embeddings=256, vocab_size=v),
-        ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"], ["query_key_value"]),
-    "opt": (OPTForCausalLM, lambda v: OPTConfig(
-        hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-        word_embed_proj_dim=64, max_position_embeddings=256, vocab_size=v, init_std=0.15),
-        ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"], ["k_proj", "fc1"]),
-}
-
-
-def build(tmp_path, tokenizer, family: str):
-    """A converted tiny model of `family` with two adapters: "all" (every linear layer, rank 8)
-    and "some" (a few modules, rank 4, rsLoRA); their references and the prompts."""
-    from tritonlm_convert.convert import convert
-    model_class, config, all_modules, some_modules = FAMILIES[family]
-    base = tmp_path / "hf"
-    save_tiny(base, model_class, config(len(tokenizer)), tokenizer)
-    model_dir = convert(str(base), tmp_path / "repo", dtype="float32")
-    adapters = {
-        "all": save_adapter(base, model_class, tmp_path / "all", 1, r=8, lora_alpha=16,
-                            target_modules=all_modules),
-        "some": save_adapter(base, model_class, tmp_path / "some", 2, r=4, lora_alpha=8,
-                             use_rslora=True, target_modules=some_modules),
-    }
-    register(model_dir, adapters)
-    prompts = random_prompts(3, len(tokenizer), seed=3)
-    references = {name: merged_greedy(base, model_class, path, prompts, NEW_TOKENS)
-                  for name, path in adapters.items()}
-    references[None] = [reference_greedy(model_class.from_pretrained(base).eval(), p, NEW_TOKENS)
-                        for p in prompts]
-    return model_dir, prompts, references
-
 
 def greedy(lora_name=None) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True,
@@ -108,3 +71,30 @@ def test_bad_adapters_are_refused_at_load_naming_why(tmp_path, smollm2_tokenizer
                                               lora_alpha=8, target_modules=["dense"])})
     with pytest.raises(ValueError, match="'neox' targets gpt_neox.layers.0.attention.dense"):
         LLM(str(model_dir))
+
+
+def test_converter_registers_adapters_and_adds_more_to_a_converted_model(tmp_path,
+                                                                          smollm2_tokenizer):
+    from conftest import run_convert
+    base = tmp_path / "hf"
+    save_tiny(base, LlamaForCausalLM, LlamaConfig(**TINY_LLAMA, vocab_size=len(smollm2_tokenizer)),
+              smollm2_tokenizer)
+    first = save_adapter(base, LlamaForCausalLM, tmp_path / "first", 1, r=8, lora_alpha=16,
+                         target_modules=["q_proj", "down_proj"])
+    second = save_adapter(base, LlamaForCausalLM, tmp_path / "second", 2, r=4, lora_alpha=4,
+                          target_modules=["v_proj"])
+    model_dir = run_convert(base, tmp_path / "repo", "--dtype", "float32", "--lora",
+                            f"first={first}", "--max-loras", "2")
+    converter = [sys.executable, "-m", "tritonlm_convert"]
+    added = subprocess.run([*converter, "--add-lora", str(model_dir), f"second={second}"],
+                           capture_output=True, text=True)
+    assert added.returncode == 0, added.stderr
+    refused = subprocess.run([*converter, "--add-lora", str(model_dir), f"bad={tmp_path}"],
+                             capture_output=True, text=True)
+    assert refused.returncode == 1 and "lacks adapter_config.json" in refused.stderr
+    prompt = random_prompts(1, len(smollm2_tokenizer), seed=5)[0]
+    with LLM(str(model_dir)) as llm:
+        assert llm.engine.config.max_loras == 2
+        for name, adapter in (("first", first), ("second", second)):
+            expected = merged_greedy(base, LlamaForCausalLM, adapter, [prompt], NEW_TOKENS)
+            assert llm.generate(prompt, greedy(name))[0].token_ids == expected[0]

@@ -60,18 +60,22 @@ def completion_logprobs(entries: list[dict | None], text_start: int = 0) -> dict
 async def list_models(request: Request):
     catalog = request.app.state.catalog
     await catalog.refresh()
-    return {"object": "list", "data": [
-        {"id": m.name, "object": "model", "created": m.created, "owned_by": "tritonlm",
-         "root": m.name, "max_model_len": m.max_model_len} for m in catalog.models.values()]}
+    models = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "tritonlm",
+               "root": m.name, "parent": None, "max_model_len": m.max_model_len}
+              for m in catalog.models.values()]
+    adapters = [{"id": a, "object": "model", "created": m.created, "owned_by": "tritonlm",
+                 "root": a, "parent": m.name, "max_model_len": m.max_model_len}
+                for m in catalog.models.values() for a in m.adapters]
+    return {"object": "list", "data": models + adapters}
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     body = await read_body(request, ChatCompletionRequest)
     body.check_stream_options()
-    model = await request.app.state.catalog.get(body.model)
+    model, adapter = await request.app.state.catalog.resolve(body.model)
     tools = ToolCalling.from_request(body.tools, body.tool_choice, model.chat_template)
-    sampling, template_kwargs = body.sampling(), body.chat_template_kwargs
+    sampling, template_kwargs = _with_adapter(body.sampling(), adapter), body.chat_template_kwargs
     if tools is not None:
         template_kwargs = {**(template_kwargs or {}), "tools": tools.tools}
         constraint = tools.structured_outputs()
@@ -87,7 +91,7 @@ async def chat_completions(request: Request):
                                logprobs=body.logprobs, request_id=request_id(request))
     gateway = request.app.state.gateway
     response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    head = {"id": response_id, "created": created, "model": model.name,
+    head = {"id": response_id, "created": created, "model": adapter or model.name,
             "system_fingerprint": _fingerprint(model.name)}
     if body.stream:
         chunks = await unless_disconnected(request, lambda: first_and_rest(
@@ -100,6 +104,10 @@ async def chat_completions(request: Request):
                for i, s in enumerate(result.sequences)]
     return JSONResponse({**head, "object": "chat.completion", "choices": choices,
                          "usage": _usage(result.num_input_tokens, result.num_output_tokens)})
+
+
+def _with_adapter(sampling: dict, adapter: str | None) -> dict:
+    return sampling if adapter is None else {**sampling, "lora_name": adapter}
 
 
 def _reply(text: str, finish_reason: str | None, tools: ToolCalling | None) -> dict:
@@ -167,8 +175,8 @@ def _chat_choice_delta(seq: SequenceDelta, body: ChatCompletionRequest) -> dict:
 async def completions(request: Request):
     body = await read_body(request, CompletionRequest)
     body.check_stream_options()
-    model = await request.app.state.catalog.get(body.model)
-    sampling = body.sampling()
+    model, adapter = await request.app.state.catalog.resolve(body.model)
+    sampling = _with_adapter(body.sampling(), adapter)
     logprobs = body.logprobs is not None
     prompts, rid = body.prompts(), request_id(request)
     generates = [GenerateRequest(model.name, prompt=p, sampling=sampling, stream=body.stream,
@@ -177,8 +185,8 @@ async def completions(request: Request):
                  for i, p in enumerate(prompts)]
     gateway = request.app.state.gateway
     n = body.n
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model.name,
-            "system_fingerprint": _fingerprint(model.name)}
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": adapter or model.name, "system_fingerprint": _fingerprint(model.name)}
     if body.stream:
         chunks = await unless_disconnected(request, lambda: first_and_rest(
             merged(gateway, generates)))

@@ -19,6 +19,7 @@ from .triton_gateway import TritonGateway
 
 logger = logging.getLogger("tritonlm.frontend")
 WEIGHTS_DIR = "weights"
+MULTI_LORA_FILE = "multi_lora.json"  # a version's LoRA adapters, {"name": "path"}
 # TGI serves one model and ignores the name: its docs' OpenAI examples send "tgi" and
 # huggingface_hub's InferenceClient sends "dummy" for a base_url; with one model served, they
 # name it (any other unknown name is a 404).
@@ -39,6 +40,7 @@ class ServedModel:
     chat_template: str | None = None  # what tool_choice "auto" reads the call format from
     # engine.json's per-request limits (max_best_of, ...), where the repository is readable
     limits: dict[str, int] = field(default_factory=dict)
+    adapters: list[str] = field(default_factory=list)  # its LoRA adapters (multi_lora.json)
 
     @classmethod
     def from_config(cls, name: str, config: dict) -> "ServedModel":
@@ -78,6 +80,7 @@ def _read_files(model: ServedModel, repository: Path) -> None:
         logger.warning("model %s: no %s/ under %s; /tokenize is unavailable for it", model.name,
                        WEIGHTS_DIR, repository / model.name)
         return
+    _read_adapters(model, version)
     engine = version / "engine.json"
     if engine.is_file():  # the engine's settings win over the converter's config.pbtxt values
         settings = json.loads(engine.read_text())
@@ -92,6 +95,16 @@ def _read_files(model: ServedModel, repository: Path) -> None:
         model.special_token_ids = frozenset(
             token_id for token_id, token in model.tokenizer.get_added_tokens_decoder().items()
             if token.special)
+
+
+def _read_adapters(model: ServedModel, version: Path) -> None:
+    listed = version / MULTI_LORA_FILE
+    try:
+        names = json.loads(listed.read_text()) if listed.is_file() else {}
+    except (OSError, ValueError) as exc:
+        logger.warning("model %s: %s unreadable (%s); serving no adapters", model.name, listed, exc)
+        names = {}
+    model.adapters = [name for name in names if isinstance(name, str)]
 
 
 def _chat_template(weights: Path) -> str | None:
@@ -125,8 +138,25 @@ class ModelCatalog:
                 model = ServedModel.from_config(name, await self.gateway.model_config(name))
                 if self.repository is not None:
                     _read_files(model, self.repository)
+            elif self.repository is not None:  # added since (tritonlm-convert --add-lora)
+                version = _version_dir(self.repository / name)
+                if version is not None:
+                    _read_adapters(model, version)
             models[name] = model
         self.models = models
+
+    async def resolve(self, name: str | None) -> tuple[ServedModel, str | None]:
+        """The model a client's model name means, and the LoRA adapter it names, if any (an
+        adapter's name stands for its base model with that adapter, as in vLLM)."""
+        if name is not None and name not in self.models and self._serving(name) is None:
+            await self.refresh()  # an adapter may have been added since
+        base = self._serving(name)
+        return (base, name) if base is not None else (await self.get(name), None)
+
+    def _serving(self, adapter: str | None) -> ServedModel | None:
+        if adapter in self.models:
+            return None
+        return next((m for m in self.models.values() if adapter in m.adapters), None)
 
     async def get(self, name: str | None) -> ServedModel:
         """The model named `name` (None: the only, or first, served model)."""
@@ -139,6 +169,7 @@ class ModelCatalog:
                 raise APIError(503, "tritonserver serves no model yet")
             return next(iter(self.models.values()))
         if name not in self.models:
-            served = ", ".join(self.models) or "none"
+            served = ", ".join([*self.models, *(a for m in self.models.values()
+                                                for a in m.adapters)]) or "none"
             raise APIError(404, f"The model `{name}` does not exist (served: {served}).", "model")
         return self.models[name]

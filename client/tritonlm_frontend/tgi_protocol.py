@@ -62,9 +62,6 @@ class GenerateParameters(_Lenient):
     def check(self, stream: bool, limits: dict[str, int]) -> None:
         """TGI's router validation (messages as TGI words them); `limits`: the engine's
         max_best_of, max_stop_sequences, max_top_n_tokens where known (else the engine checks)."""
-        if self.adapter_id is not None:
-            raise invalid("`adapter_id` is not supported yet (LoRA adapters)",
-                          "parameters.adapter_id")
         best_of = 1 if self.best_of is None else self.best_of
         max_best_of = limits.get("max_best_of", best_of)
         if not 0 < best_of <= max_best_of:
@@ -150,6 +147,8 @@ class GenerateParameters(_Lenient):
                 values[key] = getattr(self, key)
         if self.max_new_tokens is not None:
             values["max_tokens"] = self.max_new_tokens
+        if self.adapter_id is not None:
+            values["lora_name"] = self.adapter_id
         if self.truncate is not None:
             values["truncate_prompt_tokens"] = self.truncate
         if (self.best_of or 1) > 1:

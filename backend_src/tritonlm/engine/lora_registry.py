@@ -78,7 +78,11 @@ def read_registry(version_dir: Path, max_lora_rank: int | None) -> list[LoRAAdap
     adapters = [read_adapter(i, name, version_dir / where)
                 for i, (name, where) in enumerate(entries.items(), start=1)]
     for adapter in adapters:
-        if max_lora_rank is not None and adapter.max_rank > max_lora_rank:
-            raise ValueError(f"LoRA adapter {adapter.name!r} has rank {adapter.max_rank}, over "
-                             f"max_lora_rank ({max_lora_rank})")
+        check_rank(adapter, max_lora_rank)
     return adapters
+
+
+def check_rank(adapter: LoRAAdapter, max_lora_rank: int | None) -> None:
+    if max_lora_rank is not None and adapter.max_rank > max_lora_rank:
+        raise ValueError(f"LoRA adapter {adapter.name!r} has rank {adapter.max_rank}, over "
+                         f"max_lora_rank ({max_lora_rank})")

