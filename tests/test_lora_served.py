@@ -2,6 +2,10 @@
 `lora_name` in sampling_parameters (Triton vllm_backend), the adapter's name as the OpenAI model
 (listed by /v1/models with its base as parent), TGI's `adapter_id`; greedy tokens equal the peft
 library's merged model, and an unknown name fails that request alone."""
+import threading
+import time
+import urllib.request
+
 import openai
 import pytest
 from huggingface_hub import InferenceClient
@@ -63,3 +67,28 @@ def test_tgi_adapter_id(served, smollm2_tokenizer):
         assert text == smollm2_tokenizer.decode(references[name], skip_special_tokens=True)
     with pytest.raises(HubValidationError, match="unknown LoRA adapter 'nope'"):
         client.text_generation(TEXT, max_new_tokens=2, adapter_id="nope")
+
+
+def test_metrics_name_the_running_adapters(served):
+    server, prompt, _ = served
+    worker = threading.Thread(target=grpc_stream, args=(
+        server.grpc_url, prompt, {**GREEDY, "max_tokens": 400, "lora_name": "some"}))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while 'running_lora_adapters="some"' not in _lora_series(server):
+            assert time.monotonic() < deadline, _lora_series(server)
+            time.sleep(0.1)
+        assert 'max_lora="4"' in _lora_series(server)
+    finally:
+        worker.join(120)
+    deadline = time.monotonic() + 10
+    while 'running_lora_adapters=""' not in _lora_series(server):
+        assert time.monotonic() < deadline, _lora_series(server)
+        time.sleep(0.1)
+
+
+def _lora_series(server) -> str:
+    text = urllib.request.urlopen(f"http://{server.metrics_url}/metrics").read().decode()
+    return "\n".join(line for line in text.splitlines()
+                     if line.startswith("tritonlm:lora_requests_info{"))

@@ -98,6 +98,7 @@ class LLMEngine:
         self.special_token_ids = frozenset(self.tokenizer.all_special_ids) | {
             i for i, token in self.tokenizer.added_tokens_decoder.items() if token.special}
         self.vocab_size = self.hf_config.vocab_size
+        self._lora_names = {adapter.lora_id: adapter.name for adapter in self.runner.adapters}
         self.request_builder = RequestBuilder(
             self.tokenizer, self.vocab_size, self.max_model_len, self.block_manager,
             self._decoder_start is not None,
@@ -105,7 +106,7 @@ class LLMEngine:
             RequestLimits(self.config.input_token_limit, self.config.max_total_tokens,
                           self.config.max_best_of, self.config.max_stop_sequences,
                           self.config.max_top_n_tokens),
-            {adapter.name: adapter.lora_id for adapter in self.runner.adapters})
+            {name: lora_id for lora_id, name in self._lora_names.items()})
         self.matchers = GrammarMatchers(self.vocab_size)
         self.runner.sampling_inputs.matchers = self.matchers
         self._seq_ids = itertools.count()
@@ -263,9 +264,14 @@ class LLMEngine:
         stats = StepStats(len(scheduler.running), len(scheduler.waiting),
                           sum(s.num_output_tokens > 0 for s in scheduler.waiting),
                           blocks.num_blocks - blocks.num_free_blocks, blocks.num_blocks,
-                          len(plan.preempted_seq_ids), *since)
+                          len(plan.preempted_seq_ids), *since,
+                          self._adapter_names(scheduler.running),
+                          self._adapter_names(scheduler.waiting))
         for observer in self.observers:
             observer.on_step(stats)
+
+    def _adapter_names(self, seqs) -> tuple[str, ...]:
+        return tuple(sorted({self._lora_names[s.lora_id] for s in seqs if s.lora_id}))
 
     def _fork(self, state: RequestState, first: Sequence) -> None:
         """n / best_of: the other sequences share the prompt's KV blocks with the first."""
@@ -292,14 +298,15 @@ class LLMEngine:
                                    sum(s.num_draft_tokens for s in state.seqs),
                                    sum(s.num_accepted_tokens for s in state.seqs))
         ttft = timeline.first_token - timeline.arrival if timeline.first_token else float("nan")
-        drafts = finished.num_draft_tokens
+        drafts, lora_id = finished.num_draft_tokens, state.seqs[0].lora_id
         logger.info("request %s finished: reason=%s prompt_tokens=%d output_tokens=%d "
                     "ttft=%.3fs total=%.3fs free_blocks=%d/%d%s", state.request_id,
                     finished.finish_reason, finished.num_prompt_tokens, finished.num_output_tokens,
                     ttft, timeline.finished - timeline.arrival,
                     self.block_manager.num_free_blocks, self.block_manager.num_blocks,
-                    f" draft_tokens={drafts} accepted={finished.num_accepted_tokens} "
-                    f"({finished.num_accepted_tokens / drafts:.0%})" if drafts else "")
+                    (f" draft_tokens={drafts} accepted={finished.num_accepted_tokens} "
+                     f"({finished.num_accepted_tokens / drafts:.0%})" if drafts else "")
+                    + (f" lora={self._lora_names[lora_id]}" if lora_id else ""))
         for observer in self.observers:
             observer.on_request_finished(finished)
 

@@ -41,6 +41,9 @@ class StepStats:
     prefix_cache_hits: int  # of which found
     num_draft_tokens: int = 0  # speculative tokens verified in this step
     num_accepted_tokens: int = 0  # of which kept
+    # LoRA adapters of the running and the waiting sequences (names, sorted)
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
 
 
 class EngineObserver(Protocol):

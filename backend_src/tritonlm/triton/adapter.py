@@ -57,7 +57,8 @@ class TritonPythonModel:
              "max_input_tokens": str(self.engine.request_builder.max_input_tokens),
              "max_total_tokens": str(config.total_token_limit),
              **{name: str(getattr(config, name))
-                for name in ("max_best_of", "max_stop_sequences", "max_top_n_tokens")}})
+                for name in ("max_best_of", "max_stop_sequences", "max_top_n_tokens")}},
+            config.max_loras if self.engine.runner.adapters else None)
         self.engine.observers.append(self.metrics)
         endpoint = otlp_endpoint(self.engine.config.otlp_endpoint)
         self.tracer = RequestTracer(endpoint) if endpoint else None

@@ -3,6 +3,8 @@ on Triton's metrics endpoint. Names, meanings and buckets follow vLLM's `vllm:` 
 
 NOTE: a failing metric call can abort tritonserver, so names, labels and buckets here are fixed,
 buckets ascend, counters only grow and histograms are only observed."""
+import time
+
 import triton_python_backend_utils as pb_utils
 
 from tritonlm.engine.stats import FinishedRequest, StepStats
@@ -26,7 +28,9 @@ def token_buckets(max_model_len: int) -> list[float]:
 class TritonMetrics:
     """An engine observer that updates Triton's Prometheus metrics."""
 
-    def __init__(self, model: str, version: str, max_model_len: int, settings: dict[str, str]):
+    def __init__(self, model: str, version: str, max_model_len: int, settings: dict[str, str],
+                 max_loras: int | None = None):
+        """`max_loras`: where the model serves LoRA adapters, how many a step may serve."""
         self._labels = {"model": model, "version": version}
         self._families = []  # a family must outlive its metrics
         # vLLM's *_config_info idiom: the engine's settings as loaded (the dtype "auto" chose)
@@ -68,6 +72,16 @@ class TritonMetrics:
         self.blocks_free = self._gauge("kv_cache_blocks_free", "KV cache blocks free")
         self.blocks_total = self._gauge("kv_cache_blocks_total", "KV cache blocks allocated")
         self.usage = self._gauge("kv_cache_usage_perc", "Fraction of the KV cache in use (0 to 1)")
+        # vLLM's lora_requests_info (what LoRA-aware routers read): one series, its labels the
+        # adapters now running and waiting, its value when they last changed
+        self._lora_family = None
+        if max_loras:
+            self._lora_family = pb_utils.MetricFamily(
+                name="tritonlm:lora_requests_info", kind=pb_utils.MetricFamily.GAUGE,
+                description="Running and waiting LoRA adapters (labels); value: when they changed")
+            self._families.append(self._lora_family)
+        self._max_loras = str(max_loras)
+        self._lora_state, self._lora_info = None, None
 
     def _metric(self, kind, name: str, description: str, buckets=None, labels=None):
         family = pb_utils.MetricFamily(name=f"tritonlm:{name}", description=description, kind=kind)
@@ -102,6 +116,15 @@ class TritonMetrics:
         if stats.num_draft_tokens:
             self.draft_tokens.increment(stats.num_draft_tokens)
             self.accepted_tokens.increment(stats.num_accepted_tokens)
+        lora_state = (stats.running_adapters, stats.waiting_adapters)
+        if self._lora_family and lora_state != self._lora_state:
+            self._lora_state = lora_state
+            self._lora_info = None  # its series goes before the next one comes
+            self._lora_info = self._lora_family.Metric(labels={
+                **self._labels, "max_lora": self._max_loras,
+                "running_lora_adapters": ",".join(stats.running_adapters),
+                "waiting_lora_adapters": ",".join(stats.waiting_adapters)})
+            self._lora_info.set(time.time())
 
     def on_request_finished(self, request: FinishedRequest) -> None:
         t = request.timeline
