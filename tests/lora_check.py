@@ -10,23 +10,23 @@ from transformers import (GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaF
 from family_check import TINY_LLAMA, random_prompts, reference_greedy, save_tiny
 
 
-def save_adapter(base_dir: Path, model_class, out: Path, seed: int, **lora) -> Path:
-    """A random (not zero-initialised) adapter over the model saved in `base_dir`."""
+def save_adapter(model, out: Path, seed: int, b_scale: float = 20, **lora) -> Path:
+    """A random (not zero-initialised) adapter over `model` (a transformers model, changed);
+    PEFT's random B times `b_scale`."""
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(seed)
-    model = model_class.from_pretrained(base_dir)
     peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **lora))
-    with torch.no_grad():  # PEFT's non-zero init is small: make the adapter change the output
+    with torch.no_grad():  # on a tiny random model PEFT's random init changes little: scale it
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
-                param.mul_(20)
+                param.mul_(b_scale)
     peft_model.save_pretrained(out)
     return out
 
 
-def merged_greedy(base_dir: Path, model_class, adapter_dir: Path, prompts, new_tokens: int):
+def merged_greedy(model, adapter_dir: Path, prompts, new_tokens: int):
+    """Greedy tokens of `model` (a transformers model, changed) with the adapter merged in."""
     from peft import PeftModel
-    model = model_class.from_pretrained(base_dir, dtype=torch.float32)
     merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().eval()
     return [reference_greedy(merged, p, new_tokens) for p in prompts]
 
@@ -64,14 +64,15 @@ def build(tmp_path, tokenizer, family: str, prompts=None):
     save_tiny(base, model_class, config(len(tokenizer)), tokenizer)
     model_dir = convert(str(base), tmp_path / "repo", dtype="float32")
     adapters = {
-        "all": save_adapter(base, model_class, tmp_path / "all", 1, r=8, lora_alpha=16,
-                            target_modules=all_modules),
-        "some": save_adapter(base, model_class, tmp_path / "some", 2, r=4, lora_alpha=8,
-                             use_rslora=True, target_modules=some_modules),
+        "all": save_adapter(model_class.from_pretrained(base), tmp_path / "all", 1, r=8,
+                            lora_alpha=16, target_modules=all_modules),
+        "some": save_adapter(model_class.from_pretrained(base), tmp_path / "some", 2, r=4,
+                             lora_alpha=8, use_rslora=True, target_modules=some_modules),
     }
     register(model_dir, adapters)
     prompts = prompts or random_prompts(3, len(tokenizer), seed=3)
-    references = {name: merged_greedy(base, model_class, path, prompts, NEW_TOKENS)
+    references = {name: merged_greedy(model_class.from_pretrained(base), path, prompts,
+                                      NEW_TOKENS)
                   for name, path in adapters.items()}
     references[None] = [reference_greedy(model_class.from_pretrained(base).eval(), p, NEW_TOKENS)
                         for p in prompts]

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from transformers import GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from family_check import TINY_LLAMA, random_prompts, save_tiny
@@ -51,8 +52,8 @@ def test_bad_adapters_are_refused_at_load_naming_why(tmp_path, smollm2_tokenizer
     save_tiny(base, LlamaForCausalLM, LlamaConfig(**TINY_LLAMA, vocab_size=len(smollm2_tokenizer)),
               smollm2_tokenizer)
     model_dir = convert(str(base), tmp_path / "repo", dtype="float32")
-    rank8 = save_adapter(base, LlamaForCausalLM, tmp_path / "rank8", 1, r=8, lora_alpha=8,
-                         target_modules=["q_proj"])
+    rank8 = save_adapter(LlamaForCausalLM.from_pretrained(base), tmp_path / "rank8", 1, r=8,
+                         lora_alpha=8, target_modules=["q_proj"])
     register(model_dir, {"rank8": rank8})
     with pytest.raises(ValueError, match=r"rank 8, over max_lora_rank \(4\)"):
         LLM(str(model_dir), max_lora_rank=4)
@@ -60,15 +61,17 @@ def test_bad_adapters_are_refused_at_load_naming_why(tmp_path, smollm2_tokenizer
     save_tiny(other, LlamaForCausalLM, LlamaConfig(**{**TINY_LLAMA, "hidden_size": 32},
                                                    vocab_size=len(smollm2_tokenizer)),
               smollm2_tokenizer)
-    register(model_dir, {"wide": save_adapter(other, LlamaForCausalLM, tmp_path / "wide", 1, r=4,
-                                              lora_alpha=8, target_modules=["q_proj"])})
+    register(model_dir, {"wide": save_adapter(LlamaForCausalLM.from_pretrained(other),
+                                              tmp_path / "wide", 1, r=4, lora_alpha=8,
+                                              target_modules=["q_proj"])})
     with pytest.raises(ValueError, match="'wide'.*takes 64 inputs.*another base model"):
         LLM(str(model_dir))
     neox = tmp_path / "neox"
     save_tiny(neox, GPTNeoXForCausalLM, FAMILIES["gpt_neox"][1](len(smollm2_tokenizer)),
               smollm2_tokenizer)
-    register(model_dir, {"neox": save_adapter(neox, GPTNeoXForCausalLM, tmp_path / "n", 1, r=4,
-                                              lora_alpha=8, target_modules=["dense"])})
+    register(model_dir, {"neox": save_adapter(GPTNeoXForCausalLM.from_pretrained(neox),
+                                              tmp_path / "n", 1, r=4, lora_alpha=8,
+                                              target_modules=["dense"])})
     with pytest.raises(ValueError, match="'neox' targets gpt_neox.layers.0.attention.dense"):
         LLM(str(model_dir))
 
@@ -79,10 +82,10 @@ def test_converter_registers_adapters_and_adds_more_to_a_converted_model(tmp_pat
     base = tmp_path / "hf"
     save_tiny(base, LlamaForCausalLM, LlamaConfig(**TINY_LLAMA, vocab_size=len(smollm2_tokenizer)),
               smollm2_tokenizer)
-    first = save_adapter(base, LlamaForCausalLM, tmp_path / "first", 1, r=8, lora_alpha=16,
-                         target_modules=["q_proj", "down_proj"])
-    second = save_adapter(base, LlamaForCausalLM, tmp_path / "second", 2, r=4, lora_alpha=4,
-                          target_modules=["v_proj"])
+    first = save_adapter(LlamaForCausalLM.from_pretrained(base), tmp_path / "first", 1, r=8,
+                         lora_alpha=16, target_modules=["q_proj", "down_proj"])
+    second = save_adapter(LlamaForCausalLM.from_pretrained(base), tmp_path / "second", 2, r=4,
+                          lora_alpha=4, target_modules=["v_proj"])
     model_dir = run_convert(base, tmp_path / "repo", "--dtype", "float32", "--lora",
                             f"first={first}", "--max-loras", "2")
     converter = [sys.executable, "-m", "tritonlm_convert"]
@@ -96,5 +99,69 @@ def test_converter_registers_adapters_and_adds_more_to_a_converted_model(tmp_pat
     with LLM(str(model_dir)) as llm:
         assert llm.engine.config.max_loras == 2
         for name, adapter in (("first", first), ("second", second)):
-            expected = merged_greedy(base, LlamaForCausalLM, adapter, [prompt], NEW_TOKENS)
+            expected = merged_greedy(LlamaForCausalLM.from_pretrained(base), adapter, [prompt],
+                                     NEW_TOKENS)
             assert llm.generate(prompt, greedy(name))[0].token_ids == expected[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_two_tensor_parallel_ranks_equal_one(tmp_path, smollm2_tokenizer, family):
+    """Adapters sharded like their layers (A by input for row-parallel layers, B by output
+    for column-parallel ones) over two ranks give the single rank's (and peft's) tokens."""
+    from tritonlm_convert.convert import convert
+    model_dir, prompts, references = build(tmp_path, smollm2_tokenizer, family)
+    version = next(p for p in model_dir.iterdir() if p.name.isdigit())
+    adapters = [(name, tmp_path / name) for name in ("all", "some")]
+    tp2 = convert(str(tmp_path / "hf"), tmp_path / "tp2", dtype="float32", tp=2, loras=adapters)
+    assert (tp2 / "1" / "multi_lora.json").is_file() and (version / "multi_lora.json").is_file()
+    names = list(references)
+    with LLM(str(tp2), block_size=8) as llm:
+        outputs = llm.generate([p for p in prompts for _ in names],
+                               [greedy(n) for _ in prompts for n in names])
+    assert [o.token_ids for o in outputs] == [references[n][i] for i in range(len(prompts))
+                                              for n in names]
+
+
+def test_smollm2_with_a_random_adapter_equals_peft_merged(smollm2_repo, tmp_path,
+                                                           smollm2_tokenizer):
+    """A rank-16 adapter on every linear layer of SmolLM2 (the float32 conversion of the GGUF)
+    equals peft's merged model in transformers (loaded from the same GGUF)."""
+    from conftest import linked_repository, smollm2_gguf
+    from transformers import AutoModelForCausalLM
+
+    def smollm2():
+        path = smollm2_gguf()
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                    dtype=torch.float32).eval()
+    # PEFT's random B as it is: the text changes but stays text (scaled up, gibberish's logits
+    # are near-ties)
+    adapter = save_adapter(smollm2(), tmp_path / "tuned", 7, b_scale=1, r=16, lora_alpha=32,
+                           target_modules=FAMILIES["llama"][2])
+    prompts = [smollm2_tokenizer.encode(p) for p in ("The capital of France is",
+                                                      "def fibonacci(n):")]
+    expected = merged_greedy(smollm2(), adapter, prompts, NEW_TOKENS)
+    model_dir = linked_repository(smollm2_repo, tmp_path / "repo") / "llm"
+    register(model_dir, {"tuned": adapter})
+    with LLM(str(model_dir)) as llm:
+        assert [llm.generate(p, greedy("tuned"))[0].token_ids for p in prompts] == expected
+        assert llm.generate(prompts[0], greedy())[0].token_ids != expected[0]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_adapters_over_quantized_weights_equal_peft_over_the_dequantized_model(
+        tmp_path, smollm2_tokenizer, method):
+    from test_gguf_keep_quantized import rank_file
+    from test_quantize import GROUPING, _reference_with, dequantized_weights
+    from tritonlm_convert.convert import convert
+    base = tmp_path / "hf"
+    save_tiny(base, LlamaForCausalLM, LlamaConfig(**TINY_LLAMA, vocab_size=len(smollm2_tokenizer)),
+              smollm2_tokenizer)
+    adapter = save_adapter(LlamaForCausalLM.from_pretrained(base), tmp_path / "all", 1, r=8,
+                           lora_alpha=16, target_modules=FAMILIES["llama"][2])
+    model_dir = convert(str(base), tmp_path / "repo", dtype="float32", quantize=method,
+                        loras=[("all", adapter)], **GROUPING[method])
+    reference = _reference_with(base, dequantized_weights(rank_file(model_dir)))
+    prompts = random_prompts(3, len(smollm2_tokenizer), seed=4)
+    expected = merged_greedy(reference, adapter, prompts, NEW_TOKENS)
+    with LLM(str(model_dir), block_size=8, quantized_activations="float") as llm:
+        assert [o.token_ids for o in llm.generate(prompts, greedy("all"))] == expected
