@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also time the engine with this speculation (prompt lookup, or a "
                            "converted draft model REPO/NAME), beside the one without")
     spec.add_argument("--num-speculative-tokens", type=_positive, default=4, metavar="K")
+    lora = p.add_argument_group("LoRA adapters (offline)")
+    lora.add_argument("--lora", type=_positive, metavar="N",
+                      help="also run the engine serving N random adapters on every linear "
+                           "layer, the requests spread over them, against the base model")
+    lora.add_argument("--lora-rank", type=_positive, default=16, metavar="R")
     c = p.add_argument_group("comparison and output")
     c.add_argument("--compare", nargs="*", choices=("hf", "vllm"), default=[])
     c.add_argument("--compare-dtypes", nargs="+", choices=DTYPES, metavar="DTYPE",
@@ -212,6 +217,11 @@ def main(argv=None) -> None:
     report.print_versus_grpc(versus_grpc)
     speculation = report.speculation(runs, systems.speculation_suffix(args.speculative))
     report.print_speculation(speculation)
+    if args.lora:
+        rates = {r.get("series"): r["output_tokens_per_s"] for r in runs}
+        base, lora_rate = rates[systems.OURS], rates[systems.OURS + systems.lora_suffix(args)]
+        print(f"  {args.lora} rank-{args.lora_rank} LoRA adapters: {lora_rate:.1f} output "
+              f"tokens/s, {lora_rate / base:.0%} of the base model's {base:.1f}")
     for mode, probe in prefix.items():
         print(f"  shared {probe['prefix_tokens']}-token prefix ({mode}): TTFT cold "
               f"{probe['ttft_cold_ms']:.1f} ms, warm {probe['ttft_warm_ms']:.1f} ms "

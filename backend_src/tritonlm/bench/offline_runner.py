@@ -8,13 +8,15 @@ from tritonlm.engine.llm_engine import LLMEngine
 from tritonlm.sampling_params import SamplingParams
 
 
-def greedy_params(output_len: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+def greedy_params(output_len: int, lora_name: str | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
+                          lora_name=lora_name)
 
 
 def warm_up(engine: LLMEngine, requests: list[BenchRequest]) -> None:
     """A short run first, so one-time costs (allocation, kernel selection) are not timed."""
-    run_offline(engine, [BenchRequest(r.prompt_token_ids[:32], 4) for r in requests[:4]])
+    run_offline(engine, [BenchRequest(r.prompt_token_ids[:32], 4, r.lora_name)
+                         for r in requests[:4]])
     engine.block_manager.reset_prefix_cache()
 
 
@@ -28,7 +30,8 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], on_done=lambda:
         i, request = next(pending, (None, None))
         if request is not None:
             prepared = engine.make_request(f"bench-{i}", request.prompt_token_ids,
-                                           greedy_params(request.output_len))
+                                           greedy_params(request.output_len,
+                                                         request.lora_name))
             engine.add(prepared)
             records[prepared.request_id] = RequestRecord(len(request.prompt_token_ids),
                                                          time.perf_counter())

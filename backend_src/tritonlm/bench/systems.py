@@ -2,9 +2,11 @@
 the runs of all of them can alternate round by round: our engine in process, our engine behind a
 real tritonserver, HF transformers `generate`, and vLLM's CPU build."""
 import asyncio
+import dataclasses
 import random
 import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +47,10 @@ def prefix_probe(args, vocab_size: int, run_one_at_a_time) -> dict:
             "ttft_cold_ms": cold, "ttft_warm_ms": warm, "cold_over_warm": cold / warm}
 
 
+def lora_suffix(args) -> str:
+    return f" + {args.lora} LoRA r{args.lora_rank}"
+
+
 def speculation_suffix(speculative: str | None) -> str:
     """How a speculative engine's name ends: " + ngram", or " + draft" for a draft model."""
     return "" if speculative is None else " + ngram" if speculative == "ngram" else " + draft"
@@ -53,19 +59,29 @@ def speculation_suffix(speculative: str | None) -> str:
 @contextmanager
 def offline(args, model_dir: Path, requests: list[BenchRequest], vocab_size: int
             ) -> Iterator[list[System]]:
-    """Our engine, and beside it (--speculative) the engine with speculation."""
+    """Our engine, and beside it (--speculative) the engine with speculation, (--lora) the
+    engine serving random adapters, the requests spread over them."""
     from tritonlm.bench.offline_runner import run_offline, warm_up
-    from tritonlm.engine.llm_engine import LLMEngine
+    from tritonlm.engine.llm_engine import LLMEngine, resolve_model_dir
     engine = LLMEngine(model_dir)
     engines = {OURS: engine}
+    workload = {OURS: requests}
+    adapters = tempfile.TemporaryDirectory(prefix="tritonlm-bench-lora-")
     try:
+        if args.lora:
+            from tritonlm.bench.lora_adapters import adapter_names, with_random_adapters
+            name, names = OURS + lora_suffix(args), adapter_names(args.lora)
+            engines[name] = LLMEngine(with_random_adapters(
+                resolve_model_dir(model_dir), Path(adapters.name), args.lora, args.lora_rank))
+            workload[name] = [dataclasses.replace(r, lora_name=names[i % len(names)])
+                              for i, r in enumerate(requests)]
         if args.speculative:
             draft = args.speculative if args.speculative == "ngram" else str(
                 Path(args.speculative).resolve())
             engines[OURS + speculation_suffix(args.speculative)] = LLMEngine(
                 model_dir, speculative=draft, num_speculative_tokens=args.num_speculative_tokens)
-        for each in engines.values():
-            warm_up(each, requests)
+        for name, each in engines.items():
+            warm_up(each, workload.get(name, requests))
         extra = {}
         if args.workload == "shared-prefix":
             extra["prefix_cache"] = prefix_probe(args, vocab_size, lambda probe: [
@@ -78,17 +94,18 @@ def offline(args, model_dir: Path, requests: list[BenchRequest], vocab_size: int
 
         def system(name: str, engine: LLMEngine) -> System:
             label = name if concurrency is None else f"{name} c={concurrency}"
+            own = workload.get(name, requests)
 
             def run() -> dict:
                 engine.block_manager.reset_prefix_cache()  # no run reuses an earlier one's prompts
-                return _timed(label, requests,
-                              lambda done: run_offline(engine, requests, done, concurrency),
+                return _timed(label, own, lambda done: run_offline(engine, own, done, concurrency),
                               args.slo, series=name, concurrency=concurrency)
             return System(label, run, extra if engine is engines[OURS] else {})
         yield [system(name, each) for name, each in engines.items()]
     finally:
         for each in engines.values():
             each.shutdown()
+        adapters.cleanup()
 
 
 FRONT_END_PROTOCOLS = ("openai", "tgi")  # served by tritonlm-frontend

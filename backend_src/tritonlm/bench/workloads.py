@@ -12,6 +12,7 @@ _FIRST_ORDINARY_ID = 100
 class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int  # generated exactly (EOS ignored), so every engine does the same work
+    lora_name: str | None = None  # the LoRA adapter it asks for
 
 
 def _random_ids(rng: random.Random, length: int, vocab_size: int) -> list[int]:

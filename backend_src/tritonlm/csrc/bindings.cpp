@@ -33,6 +33,8 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const std::optional<at::Tensor>& groups, int64_t group_size,
                             int64_t out_features, const std::optional<at::Tensor>& bias,
                             int64_t sgemm_rows, int64_t int8_rows);
+void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a_t, const at::Tensor& b,
+               const at::Tensor& rows, const at::Tensor& counts, const at::Tensor& part_cols);
 double bf16_dot_product_speedup();
 void bind_op_program(pybind11::module_& m);  // op_program.cpp
 bool has_bf16_matmul();
@@ -90,6 +92,11 @@ TRITONLM_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("quantized_matmul(Tensor x, Tensor packed, Tensor? row_scales, Tensor? groups, "
         "int group_size, int out_features, Tensor? bias=None, int sgemm_rows=0, "
         "int int8_rows=0) -> Tensor");
+  // y [T, out] += the LoRA update of x [T, in] (y's dtype) by a_t [slots, in, R] and b [slots,
+  // R, out] (float32), in float32: slot s for the tokens rows[s, :counts[s]] (int64); B's rank
+  // rows of part p (R / parts each) reach only y's columns part_cols[p]..part_cols[p + 1].
+  m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor a_t, Tensor b, Tensor rows, Tensor counts, "
+        "Tensor part_cols) -> ()");
 }
 
 TRITONLM_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
@@ -103,6 +110,7 @@ TRITONLM_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("write_kv_", &write_kv_);
   m.impl("bf16_matmul", &bf16_matmul);
   m.impl("quantized_matmul", &quantized_matmul);
+  m.impl("lora_add_", &lora_add_);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -11,7 +11,7 @@ from torch import nn
 from tritonlm.engine.lora_registry import LoRAAdapter
 from tritonlm.engine.step_plan import ScheduledChunk
 from tritonlm.layers.lora import LayerLoRA, LoRABatch
-from tritonlm.models.lora_loader import load_adapter, rank_dim
+from tritonlm.models.lora_loader import load_adapter, part_columns, rank_dim
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,8 @@ class LoRASlots:
         for path in sorted({p for weights in self.host.values() for p in weights}):
             layer = model.get_submodule(path)
             layer.lora = LayerLoRA(self.batch, num_slots, rank_dim(model, path, max_rank),
-                                   layer.in_features, layer.out_features, device)
+                                   layer.in_features, layer.out_features,
+                                   part_columns(model, path), device)
             self.layers[path] = layer.lora
         self.resident: OrderedDict[int, int] = OrderedDict()  # lora_id -> slot, least recent first
         logger.info("LoRA: %d adapters (%s) over %d layers, %d slots of rank %d",
@@ -34,19 +35,31 @@ class LoRASlots:
                     num_slots, max_rank)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> bool:
-        """Put this step's adapters in slots and set the mask; whether any token uses one."""
+        """Put this step's adapters in slots and group its tokens by slot; whether any token
+        uses an adapter."""
         ids = [chunk.lora_id for chunk in chunks]
         wanted = list(dict.fromkeys(i for i in ids if i))
         if not wanted:
-            self.batch.mask = None
+            self.batch.rows = self.batch.keep = self.batch.counts = None
             return False
         if len(wanted) > self.num_slots:
             raise RuntimeError(f"a step of {len(wanted)} adapters, over max_loras ({self.num_slots})")
         for lora_id in wanted:
             self._make_resident(lora_id, wanted)
         slot_of_chunk = [self.resident[i] if i else -1 for i in ids]
-        slots = torch.from_numpy(np.repeat(slot_of_chunk, [len(c.token_ids) for c in chunks]))
-        self.batch.mask = (slots[:, None] == torch.arange(self.num_slots)).float().to(self.device)
+        slots = np.repeat(slot_of_chunk, [len(c.token_ids) for c in chunks])
+        # tokens grouped by slot, each group padded to the largest: rows[slot, position]
+        tokens = np.argsort(slots, kind="stable")
+        tokens = tokens[slots[tokens] >= 0]
+        counts = np.bincount(slots[tokens], minlength=self.num_slots)
+        position = np.arange(len(tokens)) - (np.cumsum(counts) - counts)[slots[tokens]]
+        rows = np.zeros((self.num_slots, counts.max()), dtype=np.int64)
+        keep = np.zeros((self.num_slots, counts.max(), 1), dtype=np.float32)
+        rows[slots[tokens], position] = tokens
+        keep[slots[tokens], position] = 1
+        self.batch.rows = torch.from_numpy(rows).to(self.device)
+        self.batch.keep = torch.from_numpy(keep).to(self.device)
+        self.batch.counts = torch.from_numpy(counts.astype(np.int64))
         return True
 
     def _make_resident(self, lora_id: int, wanted: list[int]) -> None:

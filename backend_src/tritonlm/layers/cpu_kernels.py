@@ -67,7 +67,7 @@ class Kernels:
     modes see them: engine/op_programs.py records them), and the module's CPU features and
     OpProgram."""
     OPS = ("decode_attention", "prefill_attention", "rms_norm", "act_and_mul", "rotary_",
-           "argmax_logsumexp", "write_kv_", "bf16_matmul", "quantized_matmul")
+           "argmax_logsumexp", "write_kv_", "bf16_matmul", "quantized_matmul", "lora_add_")
 
     def __init__(self, module):
         self.module = module

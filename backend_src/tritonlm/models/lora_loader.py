@@ -3,6 +3,7 @@ a fused one) each adapter module updates, and this tensor-parallel rank's slice 
 laid out as layers/lora.py holds them."""
 import re
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
@@ -34,6 +35,18 @@ def lora_targets(model: nn.Module) -> dict[str, tuple[str, int, int]]:
 def rank_dim(model: nn.Module, path: str, max_rank: int) -> int:
     """The rows of a layer's slots: max_rank for each of its parts."""
     return max_rank * len(_checkpoint_names(f"{path}.weight", getattr(model, "packed_modules", {})))
+
+
+def part_columns(model: nn.Module, path: str) -> list[int]:
+    """Where each checkpoint part of a layer starts in this rank's outputs, then their end."""
+    layer = model.get_submodule(path)
+    num_parts = len(_checkpoint_names(f"{path}.weight", getattr(model, "packed_modules", {})))
+    full_out = layer.full_features[1]
+    sizes = layer.part_sizes if len(layer.part_sizes) == num_parts else [full_out]
+    if layer.shard_dim == 1:  # row-parallel: every output
+        return [0, layer.out_features]
+    bounds = np.cumsum([0, *sizes])
+    return np.searchsorted(layer.shard_index, bounds).tolist()
 
 
 def load_adapter(model: nn.Module, adapter: LoRAAdapter, max_rank: int) -> LayerWeights:
