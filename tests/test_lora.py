@@ -57,23 +57,21 @@ def test_bad_adapters_are_refused_at_load_naming_why(tmp_path, smollm2_tokenizer
     register(model_dir, {"rank8": rank8})
     with pytest.raises(ValueError, match=r"rank 8, over max_lora_rank \(4\)"):
         LLM(str(model_dir), max_lora_rank=4)
-    other = tmp_path / "other"  # a wider Llama: an adapter of another base model
-    save_tiny(other, LlamaForCausalLM, LlamaConfig(**{**TINY_LLAMA, "hidden_size": 32},
-                                                   vocab_size=len(smollm2_tokenizer)),
-              smollm2_tokenizer)
-    register(model_dir, {"wide": save_adapter(LlamaForCausalLM.from_pretrained(other),
-                                              tmp_path / "wide", 1, r=4, lora_alpha=8,
-                                              target_modules=["q_proj"])})
-    with pytest.raises(ValueError, match="'wide'.*takes 64 inputs.*another base model"):
-        LLM(str(model_dir))
-    neox = tmp_path / "neox"
-    save_tiny(neox, GPTNeoXForCausalLM, FAMILIES["gpt_neox"][1](len(smollm2_tokenizer)),
-              smollm2_tokenizer)
-    register(model_dir, {"neox": save_adapter(GPTNeoXForCausalLM.from_pretrained(neox),
-                                              tmp_path / "n", 1, r=4, lora_alpha=8,
-                                              target_modules=["dense"])})
-    with pytest.raises(ValueError, match="'neox' targets gpt_neox.layers.0.attention.dense"):
-        LLM(str(model_dir))
+    vocab = len(smollm2_tokenizer)
+    others = {  # adapters of other base models: a wider Llama, another family
+        "wide": (LlamaForCausalLM, LlamaConfig(**{**TINY_LLAMA, "hidden_size": 32},
+                                               vocab_size=vocab), "q_proj",
+                 "'wide'.*takes 64 inputs.*another base model"),
+        "neox": (GPTNeoXForCausalLM, FAMILIES["gpt_neox"][1](vocab), "dense",
+                 "'neox' targets gpt_neox.layers.0.attention.dense"),
+    }
+    for name, (model_class, config, module, error) in others.items():
+        save_tiny(tmp_path / f"{name}-base", model_class, config, smollm2_tokenizer)
+        register(model_dir, {name: save_adapter(
+            model_class.from_pretrained(tmp_path / f"{name}-base"), tmp_path / name, 1, r=4,
+            lora_alpha=8, target_modules=[module])})
+        with pytest.raises(ValueError, match=error):
+            LLM(str(model_dir))
 
 
 def test_converter_registers_adapters_and_adds_more_to_a_converted_model(tmp_path,

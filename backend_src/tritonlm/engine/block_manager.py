@@ -128,7 +128,7 @@ class BlockManager:
         while len(hashes) <= index:
             start = len(hashes) * self.block_size
             # an adapter computes other KV from the same tokens: its chains are its own
-            previous = hashes[-1] if hashes else ("lora", seq.lora_id)
+            previous = hashes[-1] if hashes else ("lora", seq.lora_id) if seq.lora_id else None
             hashes.append(hash((previous, tuple(seq.token_ids[start:start + self.block_size]))))
         return hashes[index]
 

@@ -48,7 +48,7 @@ class TritonPythonModel:
         self.async_engine.start()
         self.engine = self.async_engine.engine
         config = self.engine.config
-        self.metrics = TritonMetrics(
+        self.engine.observers.append(TritonMetrics(
             self.model_name, args["model_version"], self.engine.max_model_len,
             {"dtype": config.dtype, "kv_cache_dtype": config.kv_cache_dtype,
              "device": str(self.engine.runner.device),
@@ -58,8 +58,7 @@ class TritonPythonModel:
              "max_total_tokens": str(config.total_token_limit),
              **{name: str(getattr(config, name))
                 for name in ("max_best_of", "max_stop_sequences", "max_top_n_tokens")}},
-            config.max_loras if self.engine.runner.adapters else None)
-        self.engine.observers.append(self.metrics)
+            config.max_loras if self.engine.runner.adapters else None))
         endpoint = otlp_endpoint(self.engine.config.otlp_endpoint)
         self.tracer = RequestTracer(endpoint) if endpoint else None
         if self.tracer is not None:
