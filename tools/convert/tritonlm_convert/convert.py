@@ -51,15 +51,20 @@ def _quantization_method(directory: Path) -> str | None:
 
 
 def open_source(src: str, trust_pickle: bool = False) -> Source:
-    """Open SRC: "default", a .gguf file, or a Hugging Face model directory (GPTQ ones included)."""
+    """Open SRC: "default", a .gguf file, or a Hugging Face model directory (GPTQ and AWQ ones
+    included)."""
     path = default_gguf_path() if src == "default" else Path(src)
     if path.is_dir():
         method = _quantization_method(path)
         if method == "gptq":
             from .gptq_source import GPTQSource
             return GPTQSource(path, trust_pickle)
+        if method == "awq":
+            from .awq_source import AWQSource
+            return AWQSource(path, trust_pickle)
         if method is not None:
-            raise ConversionError(f"{src} is quantized with {method}; only GPTQ checkpoints are supported")
+            raise ConversionError(f"{src} is quantized with {method}; only GPTQ and AWQ "
+                                  "checkpoints are supported")
         return HFSource(path, trust_pickle)
     if path.is_file() and path.suffix == ".gguf":
         return GGUFSource(path)

@@ -65,15 +65,15 @@ def _checked_settings(settings: dict) -> tuple[int, int, int]:
 
 
 class GPTQSource(HFSource):
-    """A Hugging Face directory of GPTQ-quantized weights, read as tritonlm quantized tensors."""
+    """A Hugging Face directory of GPTQ-quantized weights, read as tritonlm quantized tensors.
+    The layout-specific parts (`_settings`, `_linear_shape`, `_values`, `_zeros_and_scales`,
+    `_g_idx`) are methods, which AWQSource (awq_source.py) overrides."""
+    method = "gptq"
 
     def __init__(self, directory: Path, trust_pickle: bool = False):
         super().__init__(directory, trust_pickle)
-        settings = gptq_settings(directory, self.raw_config)
-        if settings is None:
-            raise ConversionError(f"{directory} is not a GPTQ checkpoint")
-        self.bits, self.group_size, self.zero_offset = _checked_settings(settings)
-        self.quantization = f"gptq-int{self.bits}"
+        self.bits, self.group_size, self.zero_offset = self._settings(directory)
+        self.quantization = f"{self.method}-int{self.bits}"
         # The files written are not in GPTQ layout, so transformers must not be told they are.
         self.raw_config = {k: v for k, v in self.raw_config.items() if k != "quantization_config"}
         stored = self._shapes
@@ -87,7 +87,15 @@ class GPTQSource(HFSource):
             elif leaf not in GPTQ_TENSORS:  # the linear's float bias
                 self._exposed[name] = shape
 
-    def _expose_linear(self, module: str, stored: Shapes) -> None:
+    def _settings(self, directory: Path) -> tuple[int, int, int]:
+        """(bits, group size, zero offset) of the checkpoint."""
+        settings = gptq_settings(directory, self.raw_config)
+        if settings is None:
+            raise ConversionError(f"{directory} is not a GPTQ checkpoint")
+        return _checked_settings(settings)
+
+    def _linear_shape(self, module: str, stored: Shapes) -> tuple[int, int, int]:
+        """(in features, out features, groups) of a quantized linear, its tensors checked."""
         packed_in, out_features = stored[f"{module}.qweight"]
         in_features = packed_in * 32 // self.bits
         groups = stored[f"{module}.scales"][0]
@@ -95,6 +103,10 @@ class GPTQSource(HFSource):
                 or stored[f"{module}.scales"][1] != out_features \
                 or stored.get(f"{module}.g_idx", (in_features,)) != (in_features,):
             raise ConversionError(f"the GPTQ tensors of {module} have inconsistent shapes")
+        return in_features, out_features, groups
+
+    def _expose_linear(self, module: str, stored: Shapes) -> None:
+        in_features, out_features, groups = self._linear_shape(module, stored)
         quantized = f"{module}.{QUANTIZED}"
         self._exposed[f"{quantized}.qweight"] = (
             out_features, in_features // 2 if self.bits == 4 else in_features)
@@ -120,21 +132,25 @@ class GPTQSource(HFSource):
             return self._quantized(module, leaf)
         return super().load(name)
 
+    def _stored(self, name: str) -> torch.Tensor:
+        """A tensor as the checkpoint holds it."""
+        return HFSource.load(self, name)
+
     def _values(self, module: str) -> torch.Tensor:
         """The unsigned quantized values, int32 [out, in]."""
-        return unpack_int32(super().load(f"{module}.qweight").T, self.bits)
+        return unpack_int32(self._stored(f"{module}.qweight").T, self.bits)
 
     def _zeros_and_scales(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 [out, groups] each."""
-        zeros = unpack_int32(super().load(f"{module}.qzeros"), self.bits)
+        zeros = unpack_int32(self._stored(f"{module}.qzeros"), self.bits)
         zeros = (zeros + self.zero_offset) & (2 ** self.bits - 1)  # v1 stored a zero of 0 as -1
-        return zeros.T.float(), super().load(f"{module}.scales").T.float()
+        return zeros.T.float(), self._stored(f"{module}.scales").T.float()
 
     def _g_idx(self, module: str) -> torch.Tensor:
         in_features = self._shapes[f"{module}.qweight"][0] * 32 // self.bits
         groups = self._shapes[f"{module}.scales"][0]
         if f"{module}.g_idx" in self._shapes:
-            g_idx = super().load(f"{module}.g_idx").to(torch.int32)
+            g_idx = self._stored(f"{module}.g_idx").to(torch.int32)
         else:  # GPTQModel may leave out the plain column // group_size
             size = self.group_size if self.group_size > 0 else in_features
             g_idx = torch.arange(in_features, dtype=torch.int32) // size
