@@ -1,6 +1,7 @@
 """Random PEFT LoRA adapters on tiny transformers models, and their reference: greedy tokens of
 the `peft` library's merged model in transformers."""
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -32,10 +33,13 @@ def merged_greedy(model, adapter_dir: Path, prompts, new_tokens: int):
 
 
 def register(model_dir: Path, adapters: dict[str, Path]) -> None:
-    """List adapters in a converted model version's multi_lora.json."""
+    """Copy adapters into a converted model version and list them in its multi_lora.json (by
+    hand, as an operator would without tritonlm-convert --add-lora)."""
     version = next(p for p in model_dir.iterdir() if p.name.isdigit())
+    for name, path in adapters.items():
+        shutil.copytree(path, version / "adapters" / name, dirs_exist_ok=True)
     (version / "multi_lora.json").write_text(
-        json.dumps({name: str(path) for name, path in adapters.items()}))
+        json.dumps({name: f"adapters/{name}" for name in adapters}))
 
 
 NEW_TOKENS = 16

@@ -1,6 +1,7 @@
 """Multi-LoRA: each adapter's greedy tokens equal the peft library's merged model in
 transformers; a batch mixing adapters and the base model equals each request alone; adapters
 beyond max_loras wait; bad adapters and names are clear errors."""
+import json
 import subprocess
 import sys
 
@@ -57,6 +58,11 @@ def test_bad_adapters_are_refused_at_load_naming_why(tmp_path, smollm2_tokenizer
     register(model_dir, {"rank8": rank8})
     with pytest.raises(ValueError, match=r"rank 8, over max_lora_rank \(4\)"):
         LLM(str(model_dir), max_lora_rank=4)
+    version = model_dir / "1"
+    for where in ("../../outside", str(tmp_path / "rank8")):  # a repository reads only itself
+        (version / "multi_lora.json").write_text(json.dumps({"escape": where}))
+        with pytest.raises(ValueError, match="'escape'.*outside the model version directory"):
+            LLM(str(model_dir))
     vocab = len(smollm2_tokenizer)
     others = {  # adapters of other base models: a wider Llama, another family
         "wide": (LlamaForCausalLM, LlamaConfig(**{**TINY_LLAMA, "hidden_size": 32},

@@ -27,9 +27,11 @@ def with_random_adapters(version_dir: Path, directory: Path, count: int, rank: i
         sizes = layer.part_sizes if len(layer.part_sizes) == num_parts else [full_out]
         modules[module] = (full_in, sizes[part])
     generator = torch.Generator().manual_seed(0)
+    repository = linked_repository(version_dir.parent, directory, max_loras=max(4, count))
+    version = repository / "llm" / "1"
     listed = {}
     for name in adapter_names(count):
-        adapter = directory / "adapters" / name
+        adapter = version / "loras" / name
         adapter.mkdir(parents=True)
         weights = {}
         for module, (inputs, outputs) in modules.items():
@@ -40,8 +42,6 @@ def with_random_adapters(version_dir: Path, directory: Path, count: int, rank: i
         targets = sorted({m.rpartition(".")[2] for m in modules})
         (adapter / ADAPTER_CONFIG).write_text(json.dumps(
             {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": targets}))
-        listed[name] = str(adapter.resolve())
-    repository = linked_repository(version_dir.parent, directory / "repo",
-                                   max_loras=max(4, count))
-    (repository / "llm" / "1" / MULTI_LORA_FILE).write_text(json.dumps(listed))
+        listed[name] = f"loras/{name}"
+    (version / MULTI_LORA_FILE).write_text(json.dumps(listed))
     return repository / "llm"

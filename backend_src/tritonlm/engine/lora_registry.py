@@ -1,6 +1,6 @@
 """The fine-tuned adapters a model version serves: `multi_lora.json` in the version directory
-(Triton vllm_backend's convention, {"name": "path"}, a relative path from the version
-directory), each a PEFT LoRA directory (`adapter_config.json`, `adapter_model.safetensors`).
+(Triton vllm_backend's convention, {"name": "path"}, a path inside the version directory,
+relative to it: a repository cannot make the server read elsewhere), each a PEFT LoRA directory (`adapter_config.json`, `adapter_model.safetensors`).
 Names map to ids 1.. (0 is the base model) in the file's order."""
 import json
 import math
@@ -75,11 +75,19 @@ def read_registry(version_dir: Path, max_lora_rank: int | None) -> list[LoRAAdap
     if not isinstance(entries, dict) or not all(
             isinstance(k, str) and k and isinstance(v, str) for k, v in entries.items()):
         raise ValueError(f'{path} must map adapter names to their directories: {{"name": "path"}}')
-    adapters = [read_adapter(i, name, version_dir / where)
+    adapters = [read_adapter(i, name, _inside(version_dir, name, where))
                 for i, (name, where) in enumerate(entries.items(), start=1)]
     for adapter in adapters:
         check_rank(adapter, max_lora_rank)
     return adapters
+
+
+def _inside(version_dir: Path, name: str, where: str) -> Path:
+    path = (version_dir / where).resolve()
+    if not path.is_relative_to(version_dir.resolve()):
+        raise ValueError(f"LoRA adapter {name!r}: {where} is outside the model version directory "
+                         f"{version_dir} (tritonlm-convert --add-lora copies an adapter into it)")
+    return path
 
 
 def check_rank(adapter: LoRAAdapter, max_lora_rank: int | None) -> None:
