@@ -62,8 +62,9 @@ class DecodeGraphs:
         self.blocks = buffer(rows, num_kv_heads, self.max_blocks)
         self.context_lens = buffer(rows, fill=1)
         self.token_index = torch.arange(rows, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # or OpPrograms
-        self.outputs: dict[int, torch.Tensor] = {}
+        # by (bucket, whether LoRA adapters are on: CPU programs only), CUDA graphs or OpPrograms
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
 
     def covers(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether a step is one these graphs run: decodes only, no more than the largest bucket,
@@ -84,26 +85,30 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bucket] = self._forward(bucket)
+                self.outputs[bucket, False] = self._forward(bucket)
             pool = graph.pool()
-            self.graphs[bucket] = graph
+            self.graphs[bucket, False] = graph
 
     def run(self, chunks: list[ScheduledChunk], step: int = 0,
-            input_ids: torch.Tensor | None = None) -> torch.Tensor:
+            input_ids: torch.Tensor | None = None, lora: bool = False) -> torch.Tensor:
         """The hidden states [len(chunks), hidden] of a step `covers` accepts; `step` > 0: the
-        step that many after the chunks' in a decode run, its input ids on the device."""
+        step that many after the chunks' in a decode run, its input ids on the device; `lora`:
+        the step's adapters are set in the layers' batch, in buffers kept for this size (CPU
+        programs, whose sizes are exact)."""
         bucket = next(b for b in self.buckets if b >= len(chunks))
         self._fill(chunks, bucket, step, input_ids)
-        if bucket in self.graphs:
-            self.graphs[bucket].replay()
-            return self.outputs[bucket][:len(chunks)]
+        key = (bucket, lora)
+        if key in self.graphs:
+            self.graphs[key].replay()
+            return self.outputs[key][:len(chunks)]
         if self.op_program is not None and self.program_bytes < PROGRAM_MEMORY:
-            return self._record(bucket)[:len(chunks)]
+            return self._record(key)[:len(chunks)]
         return self._forward(bucket)[:len(chunks)]
 
-    def _record(self, bucket: int) -> torch.Tensor:
+    def _record(self, key: tuple[int, bool]) -> torch.Tensor:
         """This step, run and recorded as the bucket's op program; a step the recording refuses
         (its ops are written again by the eager run) turns recording off."""
+        bucket = key[0]
         program = self.op_program()
         try:
             with ProgramRecorder(program) as recorder:
@@ -113,7 +118,7 @@ class DecodeGraphs:
                            "(%s)", e)
             self.op_program = None
             return self._forward(bucket)
-        self.graphs[bucket], self.outputs[bucket] = program, out
+        self.graphs[key], self.outputs[key] = program, out
         self.program_bytes += recorder.result_bytes
         return out
 

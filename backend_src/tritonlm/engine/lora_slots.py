@@ -30,13 +30,16 @@ class LoRASlots:
                                    part_columns(model, path), device)
             self.layers[path] = layer.lora
         self.resident: OrderedDict[int, int] = OrderedDict()  # lora_id -> slot, least recent first
+        # (rows, keep, counts) kept per width for CPU op programs, which replay the same tensors
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         logger.info("LoRA: %d adapters (%s) over %d layers, %d slots of rank %d",
                     len(adapters), ", ".join(a.name for a in adapters), len(self.layers),
                     num_slots, max_rank)
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> bool:
+    def prepare(self, chunks: list[ScheduledChunk], width: int | None = None) -> bool:
         """Put this step's adapters in slots and group its tokens by slot; whether any token
-        uses an adapter."""
+        uses an adapter. `width`: tokens per slot to allow for, in tensors kept for that width
+        (a recorded op program's step), else just enough."""
         ids = [chunk.lora_id for chunk in chunks]
         wanted = list(dict.fromkeys(i for i in ids if i))
         if not wanted:
@@ -53,13 +56,20 @@ class LoRASlots:
         tokens = tokens[slots[tokens] >= 0]
         counts = np.bincount(slots[tokens], minlength=self.num_slots)
         position = np.arange(len(tokens)) - (np.cumsum(counts) - counts)[slots[tokens]]
-        rows = np.zeros((self.num_slots, counts.max()), dtype=np.int64)
-        keep = np.zeros((self.num_slots, counts.max(), 1), dtype=np.float32)
+        rows = np.zeros((self.num_slots, width or counts.max()), dtype=np.int64)
+        keep = np.zeros((self.num_slots, width or counts.max(), 1), dtype=np.float32)
         rows[slots[tokens], position] = tokens
         keep[slots[tokens], position] = 1
-        self.batch.rows = torch.from_numpy(rows).to(self.device)
-        self.batch.keep = torch.from_numpy(keep).to(self.device)
-        self.batch.counts = torch.from_numpy(counts.astype(np.int64))
+        arrays = (rows, keep, counts.astype(np.int64))
+        if width is None:
+            self.batch.rows, self.batch.keep = (torch.from_numpy(a).to(self.device)
+                                                for a in arrays[:2])
+            self.batch.counts = torch.from_numpy(arrays[2])
+        else:
+            kept = self._kept.setdefault(width, tuple(torch.from_numpy(a) for a in arrays))
+            for tensor, array in zip(kept, arrays):
+                tensor.copy_(torch.from_numpy(array))
+            self.batch.rows, self.batch.keep, self.batch.counts = kept
         return True
 
     def _make_resident(self, lora_id: int, wanted: list[int]) -> None:

@@ -288,11 +288,16 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan):
         self._forward_setup(plan)
-        uses_lora = self.lora is not None and self.lora.prepare(plan.chunks)
-        if (not uses_lora and self.decode_graphs is not None
-                and self.decode_graphs.covers(plan.chunks)):
+        graphs = self.decode_graphs
+        decodes = graphs is not None and graphs.covers(plan.chunks)
+        # CPU programs (exact sizes) run adapter steps too, from tensors kept per size; CUDA
+        # graphs were captured without adapters
+        programs = decodes and self.device.type == "cpu"
+        uses_lora = self.lora is not None and self.lora.prepare(
+            plan.chunks, len(plan.chunks) if programs else None)
+        if decodes and (programs or not uses_lora):
             sampling = [i for i, c in enumerate(plan.chunks) if c.sampling is not None]
-            return (self.decode_graphs.run(plan.chunks),
+            return (graphs.run(plan.chunks, lora=uses_lora),
                     torch.tensor(sampling, dtype=torch.int64, device=self.device))
         inputs = self.inputs.build(plan.chunks)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta), inputs.sample_index
