@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from tritonlm.config import WEIGHTS_DIR, linked_repository
 from tritonlm.engine.lora_registry import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MULTI_LORA_FILE
 from tritonlm.models.loader import build_model, load_config
-from tritonlm.models.lora_loader import lora_targets
+from tritonlm.models.lora_loader import lora_targets, part_sizes
 
 
 def adapter_names(count: int) -> list[str]:
@@ -21,11 +21,9 @@ def with_random_adapters(version_dir: Path, directory: Path, count: int, rank: i
     `rank`; returns its model directory."""
     model = build_model(load_config(version_dir / WEIGHTS_DIR), 1)
     modules = {}
-    for module, (path, part, num_parts) in lora_targets(model).items():
+    for module, (path, part, parts) in lora_targets(model).items():
         layer = model.get_submodule(path)
-        full_in, full_out = layer.full_features
-        sizes = layer.part_sizes if len(layer.part_sizes) == num_parts else [full_out]
-        modules[module] = (full_in, sizes[part])
+        modules[module] = (layer.full_features[0], part_sizes(layer, parts)[part])
     generator = torch.Generator().manual_seed(0)
     repository = linked_repository(version_dir.parent, directory, max_loras=max(4, count))
     version = repository / "llm" / "1"

@@ -32,17 +32,26 @@ def lora_targets(model: nn.Module) -> dict[str, tuple[str, int, int]]:
     return targets
 
 
+def num_parts(model: nn.Module, path: str) -> int:
+    """The checkpoint modules a layer is made of (3 for q/k/v fused from separate ones)."""
+    return len(_checkpoint_names(f"{path}.weight", getattr(model, "packed_modules", {})))
+
+
+def part_sizes(layer: _ShardedLinear, parts: int) -> list[int]:
+    """The full output features of each of a layer's `parts` checkpoint modules (a layer fused
+    in the checkpoint itself, as GPT-BigCode's c_attn, is one)."""
+    return layer.part_sizes if len(layer.part_sizes) == parts else [layer.full_features[1]]
+
+
 def rank_dim(model: nn.Module, path: str, max_rank: int) -> int:
     """The rows of a layer's slots: max_rank for each of its parts."""
-    return max_rank * len(_checkpoint_names(f"{path}.weight", getattr(model, "packed_modules", {})))
+    return max_rank * num_parts(model, path)
 
 
 def part_columns(model: nn.Module, path: str) -> list[int]:
     """Where each checkpoint part of a layer starts in this rank's outputs, then their end."""
     layer = model.get_submodule(path)
-    num_parts = len(_checkpoint_names(f"{path}.weight", getattr(model, "packed_modules", {})))
-    full_out = layer.full_features[1]
-    sizes = layer.part_sizes if len(layer.part_sizes) == num_parts else [full_out]
+    sizes = part_sizes(layer, num_parts(model, path))
     if layer.shard_dim == 1:  # row-parallel: every output
         return [0, layer.out_features]
     bounds = np.cumsum([0, *sizes])
@@ -75,9 +84,9 @@ def load_adapter(model: nn.Module, adapter: LoRAAdapter, max_rank: int) -> Layer
         if set(pair) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {adapter.name!r}: {module} lacks lora_"
                              f"{({'A', 'B'} - set(pair)).pop()}")
-        layer_path, part, num_parts = targets[module]
+        layer_path, part, parts = targets[module]
         layer = model.get_submodule(layer_path)
-        a, b = _full_rows(adapter, module, layer, part, num_parts, pair["A"], pair["B"], max_rank)
+        a, b = _full_rows(adapter, module, layer, part, parts, pair["A"], pair["B"], max_rank)
         if layer_path in weights:
             a, b = a + weights[layer_path][0], b + weights[layer_path][1]
         weights[layer_path] = (a, b)
@@ -85,11 +94,11 @@ def load_adapter(model: nn.Module, adapter: LoRAAdapter, max_rank: int) -> Layer
 
 
 def _full_rows(adapter: LoRAAdapter, module: str, layer: _ShardedLinear, part: int,
-               num_parts: int, a: torch.Tensor, b: torch.Tensor,
+               parts: int, a: torch.Tensor, b: torch.Tensor,
                max_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A module's (A, B) placed in its layer's full (parts * max_rank, in) and (.., out)."""
     full_in, full_out = layer.full_features
-    sizes = layer.part_sizes if len(layer.part_sizes) == num_parts else [full_out]
+    sizes = part_sizes(layer, parts)
     rank = a.shape[0]
     if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != (rank, full_in) \
             or tuple(b.shape) != (sizes[part], rank):
@@ -101,8 +110,8 @@ def _full_rows(adapter: LoRAAdapter, module: str, layer: _ShardedLinear, part: i
                          f"max_lora_rank ({max_rank})")
     rows = slice(part * max_rank, part * max_rank + rank)
     offset = sum(sizes[:part])
-    full_a = torch.zeros(num_parts * max_rank, full_in)
-    full_b = torch.zeros(num_parts * max_rank, full_out)
+    full_a = torch.zeros(parts * max_rank, full_in)
+    full_b = torch.zeros(parts * max_rank, full_out)
     full_a[rows] = a
     full_b[rows, offset:offset + sizes[part]] = (b * adapter.scale(module, rank)).T
     return full_a, full_b
