@@ -65,9 +65,9 @@ def graphed(monkeypatch):
     batches = []
     run = DecodeGraphs.run
 
-    def counting_run(graphs, chunks):
+    def counting_run(graphs, chunks, **options):
         batches.append(len(chunks))
-        return run(graphs, chunks)
+        return run(graphs, chunks, **options)
     monkeypatch.setattr(DecodeGraphs, "run", counting_run)
     return batches
 

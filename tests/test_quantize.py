@@ -241,20 +241,28 @@ def test_calibration_quantizes_with_gptq(tmp_path, tiny_dir, monkeypatch):
     assert 'string_value: "gptq-int4"' in (model_dir / "config.pbtxt").read_text()
 
 
-def test_gptq_directories_open_as_gptq_sources(tmp_path, tiny_dir, monkeypatch):
-    class GPTQSource:
+def test_quantized_directories_open_by_their_method(tmp_path, tiny_dir, monkeypatch):
+    class Source:
         def __init__(self, path, trust_pickle):
             self.path = path
 
+    class GPTQSource(Source):
+        pass
+
+    class AWQSource(Source):
+        pass
+
     monkeypatch.setitem(sys.modules, "tritonlm_convert.gptq_source", types.SimpleNamespace(GPTQSource=GPTQSource))
+    monkeypatch.setitem(sys.modules, "tritonlm_convert.awq_source", types.SimpleNamespace(AWQSource=AWQSource))
     config = json.loads((tiny_dir / "config.json").read_text())
-    for method in ("gptq", "awq"):
+    for method in ("gptq", "awq", "bitsandbytes"):
         (tmp_path / method).mkdir()
         quantization = {"quant_method": method, "bits": 4}
         (tmp_path / method / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
-    assert open_source(str(tmp_path / "gptq")).path == tmp_path / "gptq"
-    with pytest.raises(ConversionError, match="quantized with awq; only GPTQ"):
-        open_source(str(tmp_path / "awq"))
+    assert type(open_source(str(tmp_path / "gptq"))) is GPTQSource
+    assert type(open_source(str(tmp_path / "awq"))) is AWQSource
+    with pytest.raises(ConversionError, match="quantized with bitsandbytes; only GPTQ and AWQ"):
+        open_source(str(tmp_path / "bitsandbytes"))
 
 
 def test_bad_quantization_options_are_one_line_errors(tmp_path, tiny_dir, quantized, capsys):
