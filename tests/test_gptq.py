@@ -15,7 +15,8 @@ from tritonlm import LLM, SamplingParams
 from tritonlm.layers.quantization import dequantize
 from tritonlm_convert.convert import convert, open_source
 from tritonlm_convert.errors import ConversionError
-from tritonlm_convert.gptq import Grid, calibration_sequences, gptq_quantize, gptq_round
+from tritonlm_convert.calibration import calibration_sequences
+from tritonlm_convert.gptq import Grid, gptq_quantize, gptq_round
 from tritonlm_convert.gptq_source import GPTQSource
 
 from family_check import random_prompts

@@ -4,6 +4,8 @@ and greedy continuations of a few prompts.
 
 python -m tritonlm.quality --model REPO/NAME [--text FILE] [--kv-cache-dtype int8] [--window 512]
                            [--prompt TEXT ...] [--max-tokens 24]
+python -m tritonlm.quality --compare [--source SRC] [--group-size N ...] [--calibration FILE]
+    float / round-to-nearest int4 / GPTQ / AWQ at each group size (quality_compare.py)
 
 The default text is chapters I-II of Natsume's "Botchan" (Project Gutenberg EBook #8868, public
 domain; about 10,400 SmolLM2 tokens); chapters III-XI are the GPTQ calibration text.
@@ -21,6 +23,7 @@ from tritonlm.engine.llm_engine import LLMEngine, resolve_model_dir
 from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.step_plan import ScheduledChunk
 from tritonlm.offline import LLM
+from tritonlm.quality_compare import compare, table
 from tritonlm.sampling_params import SamplingParams
 
 TEXTS = Path(__file__).parents[2] / "tests/data"
@@ -73,7 +76,18 @@ def report(model_dir: str, text: str, window: int, prompts=PROMPTS, max_tokens: 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="a converted model directory")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--model", help="a converted model directory")
+    target.add_argument("--compare", action="store_true",
+                        help="convert SRC as float, RTN int4, GPTQ and AWQ at each group size and tabulate")
+    parser.add_argument("--source", default="default",
+                        help="--compare: the float model (a Hugging Face directory or GGUF file; default SmolLM2)")
+    parser.add_argument("--group-size", type=int, nargs="+", default=[32, 64, 128],
+                        help="--compare: int4 group sizes (default 32 64 128)")
+    parser.add_argument("--calibration", default=str(TEXTS / "botchan_chapters_3_11.txt"),
+                        help="--compare: GPTQ and AWQ calibration text (default: Botchan, chapters III-XI)")
+    parser.add_argument("--work", default=str(Path.home() / ".cache/tritonlm/quality"),
+                        help="--compare: where the converted variants are kept")
     parser.add_argument("--text", default=str(TEXTS / "botchan_chapters_1_2.txt"),
                         help="the text to score (default: Botchan, chapters I-II)")
     parser.add_argument("--window", type=int, default=512, help="tokens per scored window")
@@ -83,6 +97,11 @@ def main(argv=None) -> None:
                         "(repeatable; default: three fixed prompts)")
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens per greedy continuation")
     args = parser.parse_args(argv)
+    if args.compare:
+        rows = compare(args.source, args.group_size, Path(args.calibration), Path(args.text).read_text(),
+                       Path(args.work), args.window)
+        print(table(rows))
+        return
     result = report(args.model, Path(args.text).read_text(), args.window,
                     args.prompt or PROMPTS, args.max_tokens,
                     kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype)

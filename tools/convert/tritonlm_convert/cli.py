@@ -37,12 +37,13 @@ def _parser() -> argparse.ArgumentParser:
     quantization = parser.add_argument_group("quantization (weight-only, of every linear layer)")
     quantization.add_argument("--quantize", choices=QUANTIZE_BITS,
                               help="int8: one scale per output channel; int4: a scale and a zero point "
-                                   "per group of input columns (rounded to nearest, or GPTQ with --calibration)")
+                                   "per group of input columns (rounded to nearest, or GPTQ with --calibration); "
+                                   "awq: int4 by activation-aware scales and clipping (needs --calibration)")
     quantization.add_argument("--group-size", type=int, metavar="N",
                               help=f"consecutive input columns per int4 group (default {DEFAULT_GROUP_SIZE}); "
                                    "the last group of a row is shorter when N does not divide its width")
     quantization.add_argument("--calibration", metavar="FILE",
-                              help="a text file to calibrate GPTQ on (Hugging Face directories only)")
+                              help="a text file to calibrate GPTQ or AWQ on (Hugging Face directories only)")
     quantization.add_argument("--keep-quantized", action="store_true",
                               help="GGUF: keep Q8_0, Q4_0 and Q4_1 weights quantized (groups of 32) "
                                    "instead of dequantizing them; other types are dequantized")

