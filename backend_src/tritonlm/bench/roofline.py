@@ -73,9 +73,10 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     packed_head = getattr(model, "packed_head", None)
     tied_head = model.output_head() if model.output_head() is model.input_embeddings() else None
     tensors = [packed_head.data] if packed_head is not None else []
+    looked_up = {inner for module in model.modules() if isinstance(module, torch.nn.Embedding)
+                 and (module is not tied_head or packed_head is not None) for inner in module.modules()}
     for module in model.modules():
-        if isinstance(module, torch.nn.Embedding) and (module is not tied_head
-                                                       or packed_head is not None):
+        if module in looked_up:
             continue
         tensors += [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if getattr(module, "packed", None) is not None:

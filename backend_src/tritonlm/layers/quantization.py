@@ -67,8 +67,12 @@ def uniform_group_size(g_idx: torch.Tensor, num_groups: int) -> int | None:
 class QuantizedWeight(nn.Module):
     """The quantized weight of one (parallel) linear layer; `shard` is that layer's
     (dim, indices) of the full weight, so the storage is cut consistently. The model runner
-    sets `int8_inputs` before the first matmul (EngineConfig.quantized_activations)."""
+    sets `int8_inputs` before the first matmul (EngineConfig.quantized_activations); a weight
+    whose rows are looked up (`keeps_rows`: a quantized embedding) stays beside a fused matmul's
+    own layout."""
     int8_inputs = False
+    keeps_rows = False
+    rows_dtype = torch.float32  # what `rows` decodes to: the loader sets the model's dtype
 
     def __init__(self, out_features: int, in_features: int, bits: int, num_groups: int,
                  has_biases: bool, shard: tuple[int, np.ndarray] | None):
@@ -107,10 +111,20 @@ class QuantizedWeight(nn.Module):
         self.fused = (quantized_matmul.cuda_matmul(*args)
                       or quantized_matmul.cpu_matmul(self.qweight, self.values, *args[1:], dtype,
                                                      self.int8_inputs))
-        if getattr(self.fused, "owns_weight", False):
+        if getattr(self.fused, "owns_weight", False) and not self.keeps_rows:
             empty = torch.empty(0)
             self.qweight, self.scales = nn.Parameter(empty.to(torch.uint8), False), None
             self.biases = None
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The dequantized rows `index` (any shape) -> [*index.shape, in_features]."""
+        if self.group_size is _UNKNOWN:
+            self.group_size = uniform_group_size(self.g_idx, self.scales.shape[1])
+        flat = index.reshape(-1)
+        biases = None if self.biases is None else self.biases[flat]
+        weight = dequantize(self.qweight[flat], self.scales[flat], biases, self.g_idx, self.rows_dtype,
+                            self.group_size)
+        return weight.view(*index.shape, -1)
 
     def values(self) -> torch.Tensor:
         return integer_values(self.qweight)

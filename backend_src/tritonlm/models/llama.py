@@ -9,6 +9,7 @@ from tritonlm.layers.causal_lm_head import CausalLM
 from tritonlm.layers.linear import QKVParallelLinear, RowParallelLinear
 from tritonlm.layers.mlp import GatedMLP
 from tritonlm.layers.norm import RMSNorm
+from tritonlm.layers.embedding import VocabEmbedding
 from tritonlm.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 
 
@@ -65,7 +66,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config, max_positions: int):
         super().__init__()
         self.rotary_emb = RotaryEmbedding(config, head_dim(config), max_positions)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, self.attention(config, i), self.norm_class)
             for i in range(config.num_hidden_layers))

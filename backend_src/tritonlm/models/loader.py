@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig
 
-from tritonlm.layers.quantization import QUANTIZED
+from tritonlm.layers.quantization import QUANTIZED, QuantizedWeight
 from tritonlm.models.registry import context_limit, model_class
 
 Shapes = dict[str, tuple[int, ...]]
@@ -132,6 +132,9 @@ def load_model(weights_dir: Path, config, dtype: torch.dtype, device: torch.devi
     except (ValueError, SafetensorError) as e:  # a plan that does not fit, a malformed file
         raise ValueError(f"{path}: {e}") from None
     model.load_state_dict(state, assign=True, strict=True)
+    for module in model.modules():
+        if isinstance(module, QuantizedWeight):
+            module.rows_dtype = dtype
     return model.to(device).eval()
 
 

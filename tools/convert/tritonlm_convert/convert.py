@@ -17,7 +17,7 @@ from .errors import ConversionError
 from .gguf_source import GGUFSource
 from .hf_config import canonical_config, resolve_config
 from .hf_source import HFSource, read_json
-from .quantize import (DEFAULT_GROUP_SIZE, head_names, is_quantized, precomputed, quantizable_layers,
+from .quantize import (DEFAULT_GROUP_SIZE, embedding_name, head_names, is_quantized, precomputed, quantizable_layers,
                        round_to_nearest, with_int8_head)
 from .lora import add_loras
 from .repository import VERSION, write_model
@@ -87,8 +87,12 @@ def quantize_source(source: Source, config: PretrainedConfig, quantize: str | No
             raise ConversionError("--calibration and --group-size need --quantize")
         if keep_quantized:
             shapes = source.tensor_shapes()
+            head = head_names(config, shapes)
+            tied = head is not None and head[0] != head[1]
+            # a tied head is the embedding's storage: a float head keeps the embedding float
+            embedding = None if float_head and tied else embedding_name(config, shapes)
             return source.keeping_quantized(quantizable_layers(config, shapes),
-                                            None if float_head else head_names(config, shapes))
+                                            None if float_head else head, embedding)
         return source
     body = _quantized_body(source, config, quantize, group_size, calibration, keep_quantized)
     return body if float_head else with_int8_head(body, head_names(config, source.tensor_shapes()))

@@ -123,18 +123,22 @@ class GGUFSource(Source):
             return unpermute_rope(rows, self.raw_config["num_key_value_heads"])
         return rows
 
-    def keeping_quantized(self, layers: list[list[str]], head: tuple[str, str] | None) -> Source:
+    def keeping_quantized(self, layers: list[list[str]], head: tuple[str, str] | None,
+                          embedding: str | None) -> Source:
         """This file with the linear layers stored in Q8_0, Q4_0 or Q4_1 kept quantized (8 or 4 bits,
-        groups of 32) instead of dequantized, and the LM head (`head`: its converted name and the
-        tensor holding it, the embedding when tied) in such a type too. Other types, and fused
-        layers whose parts are not all 8-bit or all 4-bit, are dequantized."""
+        groups of 32) instead of dequantized, the token embedding (`embedding`, when given) and the
+        LM head (`head`: its converted name and the tensor holding it, the embedding when tied and
+        not kept itself) in such a type too. Other types, and fused layers whose parts are not all
+        8-bit or all 4-bit, are dequantized."""
         kept = {}
         for layer in layers:
             types = [self._tensors[name].tensor_type for name in layer]
             if all(t in KEPT_TYPES for t in types) and len({t == T.Q8_0 for t in types}) == 1:
                 kept.update(zip(layer, types))
         copies = {}
-        if head is not None and self._tensors[head[1]].tensor_type in KEPT_TYPES:
+        if embedding is not None and self._tensors[embedding].tensor_type in KEPT_TYPES:
+            kept[embedding] = self._tensors[embedding].tensor_type
+        if head is not None and head[1] not in kept and self._tensors[head[1]].tensor_type in KEPT_TYPES:
             kept[head[0]] = self._tensors[head[1]].tensor_type
             if head[0] != head[1]:
                 copies[head[0]] = head[1]

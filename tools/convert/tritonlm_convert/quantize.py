@@ -5,6 +5,7 @@ a time."""
 from typing import Callable
 
 import torch
+from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from tritonlm.layers.quantization import QUANTIZED, pack_int4
 from tritonlm.models.loader import build_model, checkpoint_plan
@@ -32,7 +33,20 @@ def quantizable_layers(config: PretrainedConfig, found: Shapes) -> list[list[str
     except ValueError as e:
         raise ConversionError(str(e)) from None
     return [plan[f"{path}.weight"] for path, module in model.named_modules()
-            if hasattr(module, "use_quantized_weight")]
+            if hasattr(module, "use_quantized_weight") and not isinstance(module, nn.Embedding)]
+
+
+def embedding_name(config: PretrainedConfig, found: Shapes) -> str | None:
+    """The token embedding's source tensor, when the engine can look its rows up in quantized
+    storage (layers/embedding.py); None otherwise."""
+    model = build_model(config)
+    if not hasattr(model, "input_embeddings") or not hasattr(model.input_embeddings(), "use_quantized_weight"):
+        return None
+    try:
+        plan = checkpoint_plan(model, found)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    return plan[f"{model.decoder_name}.{model.embedding_name}.weight"][0]
 
 
 def storage_layout(out_features: int, in_features: int, bits: int, num_groups: int,
