@@ -60,3 +60,26 @@ def test_int8_weights_and_int8_kv_cache_stay_within_one_percent(smollm2_repo, tm
     assert abs(_perplexity(int8) / reference - 1) < 0.01
     assert abs(_perplexity(smollm2_repo, dtype="bfloat16", kv_cache_dtype="int8") / reference
                - 1) < 0.01
+
+
+def test_compare_converts_and_scores_each_method(tmp_path, smollm2_tokenizer):
+    """`quality --compare` on a tiny Llama: each variant converted by tritonlm-convert, the float
+    one matching itself, the others smaller (int4 body, int8 head; the float embedding stays)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from family_check import save_tiny
+    from tritonlm.quality_compare import compare, table
+    config = LlamaConfig(vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    save_tiny(tmp_path / "hf", LlamaForCausalLM, config, smollm2_tokenizer)
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text(TEXT[:3000])
+    rows = compare(str(tmp_path / "hf"), [32], calibration, 2, TEXT, tmp_path / "work", WINDOW)
+    by_name = {row["variant"]: row for row in rows}
+    assert list(by_name) == ["float", "rtn g32", "gptq g32", "awq g32"]
+    assert by_name["float"]["greedy_match"] == 1.0
+    assert all(0 <= row["greedy_match"] <= 1 and row["perplexity"] > 1 for row in rows)
+    body = by_name["float"]["weight_bytes"]
+    assert all(by_name[name]["weight_bytes"] < 0.7 * body for name in ("rtn g32", "gptq g32", "awq g32"))
+    assert "| awq g32 |" in table(rows)

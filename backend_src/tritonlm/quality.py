@@ -5,6 +5,7 @@ and greedy continuations of a few prompts.
 python -m tritonlm.quality --model REPO/NAME [--text FILE] [--kv-cache-dtype int8] [--window 512]
                            [--prompt TEXT ...] [--max-tokens 24]
 python -m tritonlm.quality --compare [--source SRC] [--group-size N ...] [--calibration FILE]
+                           [--calibration-sequences N]
     float / round-to-nearest int4 / GPTQ / AWQ at each group size (quality_compare.py)
 
 The default text is chapters I-II of Natsume's "Botchan" (Project Gutenberg EBook #8868, public
@@ -86,6 +87,8 @@ def main(argv=None) -> None:
                         help="--compare: int4 group sizes (default 32 64 128)")
     parser.add_argument("--calibration", default=str(TEXTS / "botchan_chapters_3_11.txt"),
                         help="--compare: GPTQ and AWQ calibration text (default: Botchan, chapters III-XI)")
+    parser.add_argument("--calibration-sequences", type=int, default=128,
+                        help="--compare: pieces of 512 tokens GPTQ and AWQ calibrate on (default 128)")
     parser.add_argument("--work", default=str(Path.home() / ".cache/tritonlm/quality"),
                         help="--compare: where the converted variants are kept")
     parser.add_argument("--text", default=str(TEXTS / "botchan_chapters_1_2.txt"),
@@ -98,8 +101,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens per greedy continuation")
     args = parser.parse_args(argv)
     if args.compare:
-        rows = compare(args.source, args.group_size, Path(args.calibration), Path(args.text).read_text(),
-                       Path(args.work), args.window)
+        rows = compare(args.source, args.group_size, Path(args.calibration), args.calibration_sequences,
+                       Path(args.text).read_text(), Path(args.work), args.window)
         print(table(rows))
         return
     result = report(args.model, Path(args.text).read_text(), args.window,

@@ -3,7 +3,7 @@ group size, each converted by `tritonlm-convert` from the same float model and s
 quality.py on held-out text (perplexity, weight bytes, greedy match with the float model).
 
 python -m tritonlm.quality --compare [--source SRC] [--group-size 32 64 128 ...]
-                           [--calibration FILE] [--work DIR]
+                           [--calibration FILE] [--calibration-sequences N] [--work DIR]
 
 SRC (default: the embedded SmolLM2 GGUF) is a Hugging Face directory, or a GGUF file which
 transformers loads and saves as one (GPTQ and AWQ calibrate on transformers' model). Greedy match:
@@ -48,14 +48,15 @@ def float_directory(source: str, work: Path) -> Path:
     return target
 
 
-def variants(group_sizes: list[int], calibration: Path) -> dict[str, list[str]]:
+def variants(group_sizes: list[int], calibration: Path, sequences: int) -> dict[str, list[str]]:
     """Name -> tritonlm-convert flags."""
     found = {"float": []}
+    calibrated = ["--calibration", str(calibration), "--calibration-sequences", str(sequences)]
     for size in group_sizes:
         group = ["--group-size", str(size)]
         found[f"rtn g{size}"] = ["--quantize", "int4", *group]
-        found[f"gptq g{size}"] = ["--quantize", "int4", *group, "--calibration", str(calibration)]
-        found[f"awq g{size}"] = ["--quantize", "awq", *group, "--calibration", str(calibration)]
+        found[f"gptq g{size}"] = ["--quantize", "int4", *group, *calibrated]
+        found[f"awq g{size}"] = ["--quantize", "awq", *group, *calibrated]
     return found
 
 
@@ -76,12 +77,12 @@ def greedy_match(tokens: list[list[int]], reference: list[list[int]]) -> float:
     return sum(shares) / len(shares)
 
 
-def compare(source: str, group_sizes: list[int], calibration: Path, text: str, work: Path,
-            window: int) -> list[dict]:
+def compare(source: str, group_sizes: list[int], calibration: Path, sequences: int, text: str,
+            work: Path, window: int) -> list[dict]:
     from tritonlm.quality import perplexity, weight_bytes
     hf_dir = float_directory(source, work)
     rows, reference = [], None
-    for name, flags in variants(group_sizes, calibration).items():
+    for name, flags in variants(group_sizes, calibration, sequences).items():
         model_dir = converted(hf_dir, work / name.replace(" ", "-"), flags)
         with LLM(str(model_dir)) as llm:
             token_ids = llm.engine.tokenizer.encode(text)

@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
                                    "the last group of a row is shorter when N does not divide its width")
     quantization.add_argument("--calibration", metavar="FILE",
                               help="a text file to calibrate GPTQ or AWQ on (Hugging Face directories only)")
+    quantization.add_argument("--calibration-sequences", type=int, metavar="N",
+                              help="calibrate on at most N pieces of 512 tokens of the text (default 128)")
     quantization.add_argument("--keep-quantized", action="store_true",
                               help="GGUF: keep Q8_0, Q4_0 and Q4_1 weights quantized (groups of 32) "
                                    "instead of dequantizing them; other types are dequantized")
@@ -136,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
                             max_model_len=args.max_model_len, trust_pickle=args.trust_pickle,
                             instance_kind=args.instance_kind, chat_template=args.chat_template,
                             tp=args.tp, quantize=args.quantize, group_size=args.group_size,
-                            calibration=args.calibration, keep_quantized=args.keep_quantized,
+                            calibration=args.calibration, calibration_sequences=args.calibration_sequences,
+                            keep_quantized=args.keep_quantized,
                             float_head=args.float_head,
                             kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
                             quantized_activations=args.quantized_activations,

@@ -74,7 +74,8 @@ def open_source(src: str, trust_pickle: bool = False) -> Source:
 
 
 def quantize_source(source: Source, config: PretrainedConfig, quantize: str | None, group_size: int | None,
-                    calibration: str | Path | None, keep_quantized: bool, float_head: bool = False) -> Source:
+                    calibration: str | Path | None, keep_quantized: bool, float_head: bool = False,
+                    calibration_sequences: int | None = None) -> Source:
     """The source with its linear weights quantized as asked: kept as a GGUF file stores them,
     by GPTQ or AWQ over a calibration text, or rounded to nearest; the LM head too (kept as the file
     has it, or int8 rounded to nearest) unless `float_head`."""
@@ -83,8 +84,8 @@ def quantize_source(source: Source, config: PretrainedConfig, quantize: str | No
     if float_head and quantize is None and not keep_quantized:
         raise ConversionError("--float-head needs --quantize or --keep-quantized")
     if quantize is None:
-        if calibration is not None or group_size is not None:
-            raise ConversionError("--calibration and --group-size need --quantize")
+        if calibration is not None or group_size is not None or calibration_sequences is not None:
+            raise ConversionError("--calibration, --calibration-sequences and --group-size need --quantize")
         if keep_quantized:
             shapes = source.tensor_shapes()
             head = head_names(config, shapes)
@@ -94,12 +95,14 @@ def quantize_source(source: Source, config: PretrainedConfig, quantize: str | No
             return source.keeping_quantized(quantizable_layers(config, shapes),
                                             None if float_head else head, embedding)
         return source
-    body = _quantized_body(source, config, quantize, group_size, calibration, keep_quantized)
+    body = _quantized_body(source, config, quantize, group_size, calibration, keep_quantized,
+                           calibration_sequences)
     return body if float_head else with_int8_head(body, head_names(config, source.tensor_shapes()))
 
 
 def _quantized_body(source: Source, config: PretrainedConfig, quantize: str, group_size: int | None,
-                    calibration: str | Path | None, keep_quantized: bool) -> Source:
+                    calibration: str | Path | None, keep_quantized: bool,
+                    calibration_sequences: int | None) -> Source:
     if quantize not in QUANTIZE_BITS:
         raise ConversionError(f"--quantize must be one of {', '.join(QUANTIZE_BITS)}, got {quantize!r}")
     shapes = source.tensor_shapes()
@@ -119,14 +122,18 @@ def _quantized_body(source: Source, config: PretrainedConfig, quantize: str, gro
     if not isinstance(source, HFSource):
         raise ConversionError("--calibration needs a Hugging Face model directory, not a GGUF file")
     text = Path(calibration).read_text()
+    if calibration_sequences is not None and calibration_sequences < 1:
+        raise ConversionError(f"--calibration-sequences must be positive, got {calibration_sequences}")
+    pieces = {} if calibration_sequences is None else {"max_sequences": calibration_sequences}
     if quantize == "awq":
         from .awq import awq_quantize
-        results, folded = awq_quantize(source.directory, weights, group_size, text)
+        results, folded = awq_quantize(source.directory, weights, group_size, text, **pieces)
         replaced = {_source_name(name, shapes): tensor for name, tensor in folded.items()}
     else:
         from .gptq import gptq_quantize
         # NOTE: GPTQ's group size -1 means one group per output channel, as int8 always has.
-        results, replaced = gptq_quantize(source.directory, weights, bits, group_size if bits == 4 else -1, text), {}
+        results, replaced = gptq_quantize(source.directory, weights, bits, group_size if bits == 4 else -1, text,
+                                           **pieces), {}
     if set(results) != set(weights):
         raise ConversionError("calibration did not quantize every linear weight")
     return precomputed(source, results, f"{'awq' if quantize == 'awq' else 'gptq'}-int{bits}", replaced)
@@ -186,7 +193,8 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
             max_model_len: int | None = None, trust_pickle: bool = False,
             instance_kind: str | None = None, chat_template: str | Path | None = None,
             tp: int = 1, quantize: str | None = None, group_size: int | None = None,
-            calibration: str | Path | None = None, keep_quantized: bool = False,
+            calibration: str | Path | None = None, calibration_sequences: int | None = None,
+            keep_quantized: bool = False,
             float_head: bool = False, kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None,
             gpu_memory_utilization: float | None = None,
             quantized_activations: str = "auto", speculative: str | None = None,
@@ -223,7 +231,8 @@ def convert(src: str, output: str | Path, name: str = "llm", dtype: str = "auto"
                               **settings)
     except ValueError as error:
         raise ConversionError(str(error)) from error
-    source = quantize_source(source, resolved, quantize, group_size, calibration, keep_quantized, float_head)
+    source = quantize_source(source, resolved, quantize, group_size, calibration, keep_quantized, float_head,
+                             calibration_sequences)
     shards = select_tensors(resolved, source.tensor_shapes(), source.load, tp)
     config = canonical_config(resolved, stored_dtype)
     tokenizer = source.tokenizer()
