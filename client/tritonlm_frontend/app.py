@@ -15,6 +15,7 @@ from . import chat_page, openai_api, tgi_api
 from .errors import APIError
 from .metrics import FrontendMetrics, MetricsMiddleware
 from .served_models import ModelCatalog
+from .replica_pool import ReplicaPool
 from .triton_gateway import TritonGateway
 
 logger = logging.getLogger("tritonlm.frontend")
@@ -22,7 +23,7 @@ logger = logging.getLogger("tritonlm.frontend")
 
 @dataclass
 class FrontendSettings:
-    triton_url: str = "localhost:8001"  # tritonserver's gRPC endpoint
+    triton_url: str | list[str] = "localhost:8001"  # tritonserver's gRPC endpoint, or replicas
     triton_metrics_url: str | None = "http://localhost:8002/metrics"
     model_repository: Path | None = None  # read for tokenizers and sampling defaults
 
@@ -36,7 +37,8 @@ def error_body(request: Request, error: APIError) -> dict:
 
 
 def create_app(settings: FrontendSettings) -> FastAPI:
-    gateway = TritonGateway(settings.triton_url)
+    urls = [settings.triton_url] if isinstance(settings.triton_url, str) else list(settings.triton_url)
+    gateway = TritonGateway(urls[0]) if len(urls) == 1 else ReplicaPool(urls)
     catalog = ModelCatalog(gateway, settings.model_repository)
     metrics = FrontendMetrics(settings.triton_metrics_url)
 
@@ -45,9 +47,9 @@ def create_app(settings: FrontendSettings) -> FastAPI:
         try:
             await catalog.refresh()
             logger.info("serving %s from tritonserver at %s", ", ".join(catalog.models) or "no model",
-                        settings.triton_url)
+                        gateway.url)
         except Exception as exc:  # tritonserver may come up later; routes refresh on demand
-            logger.warning("tritonserver at %s not reachable yet: %s", settings.triton_url, exc)
+            logger.warning("tritonserver at %s not reachable yet: %s", gateway.url, exc)
         yield
         await gateway.close()
         await metrics.close()
@@ -69,7 +71,7 @@ def create_app(settings: FrontendSettings) -> FastAPI:
     @app.get("/health")
     async def health():
         if not await gateway.is_ready():
-            raise APIError(503, f"tritonserver at {settings.triton_url} is not ready")
+            raise APIError(503, f"tritonserver at {gateway.url} is not ready")
         return Response(status_code=200)
 
     @app.get("/metrics")

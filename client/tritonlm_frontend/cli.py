@@ -14,8 +14,9 @@ from .app import FrontendSettings, create_app
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tritonlm-frontend", description=__doc__.splitlines()[0])
-    parser.add_argument("--triton-url", default="localhost:8001",
-                        help="tritonserver's gRPC endpoint (default localhost:8001)")
+    parser.add_argument("--triton-url", action="append",
+                        help="tritonserver's gRPC endpoint (default localhost:8001); repeated: "
+                             "replicas serving the same repository, requests spread over them")
     parser.add_argument("--triton-metrics-url", default=None,
                         help="tritonserver's metrics URL, appended to /metrics (default: the "
                              "--triton-url host, port 8002)")
@@ -31,10 +32,11 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    urls = args.triton_url or ["localhost:8001"]
     metrics_url = args.triton_metrics_url
     if metrics_url is None:
-        metrics_url = f"http://{args.triton_url.rsplit(':', 1)[0]}:8002/metrics"
-    app = create_app(FrontendSettings(args.triton_url, metrics_url, args.model_repository))
+        metrics_url = f"http://{urls[0].rsplit(':', 1)[0]}:8002/metrics"
+    app = create_app(FrontendSettings(urls, metrics_url, args.model_repository))
     # One worker: its event loop multiplexes every request; the engine does the heavy work.
     # uvicorn[standard] gives it uvloop and httptools: on 2 shared cores, a token's SSE event
     # costs the engine less CPU (TGI route at concurrency 32: 0.86x -> 1.03x of gRPC's tokens/s).

@@ -122,6 +122,13 @@ def parse_response(response) -> GenerateChunk:
                          prompt_logprobs or None, bool(final and final.bool_param))
 
 
+class ReplicaUnreachable(APIError):
+    """tritonserver could not be reached, and the request got no response from it."""
+
+    def __init__(self, url: str, details: str):
+        super().__init__(503, f"tritonserver at {url} is unreachable: {details}")
+
+
 def _infer_request(request: GenerateRequest, request_id: str) -> service_pb2.ModelInferRequest:
     infer = service_pb2.ModelInferRequest(model_name=request.model, id=request_id)
     # tritonclient's asyncio client cannot ask for this; without it a request whose last
@@ -164,9 +171,10 @@ class TritonGateway:
             await ended.wait()  # a half-closed stream would end the call before its responses
 
         call = self.stream_stub.ModelStreamInfer(one_request())
-        finished = False
+        finished = answered = False
         try:
             async for response in call:
+                answered = True
                 finished = bool(response.error_message)
                 if finished:
                     raise from_triton_message(response.error_message)
@@ -179,6 +187,8 @@ class TritonGateway:
             raise APIError(502, "tritonserver ended the stream before the request's last response")
         except grpc.aio.AioRpcError as exc:
             finished = True
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and not answered:
+                raise ReplicaUnreachable(self.url, exc.details()) from None
             raise from_triton_message(f"{exc.code().name}: {exc.details()}") from None
         finally:
             ended.set()
