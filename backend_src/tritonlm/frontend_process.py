@@ -12,13 +12,17 @@ from pathlib import Path
 
 
 class FrontendProcess:
-    def __init__(self, repo: Path, port: int, grpc_port: int, metrics_port: int, stdout=None,
-                 stderr=None):
+    def __init__(self, repo: Path, port: int, grpc_port: int | list[int], metrics_port: int, stdout=None,
+                 stderr=None, routing: str | None = None):
+        """`grpc_port`: one tritonserver's, or several replicas' (`routing` over them)."""
         self.port = port
+        replicas = [grpc_port] if isinstance(grpc_port, int) else grpc_port
         self.argv = [sys.executable, "-m", "tritonlm_frontend.cli",
-                     "--triton-url", f"127.0.0.1:{grpc_port}",
+                     *(arg for p in replicas for arg in ("--triton-url", f"127.0.0.1:{p}")),
                      "--triton-metrics-url", f"http://127.0.0.1:{metrics_port}/metrics",
                      "--model-repository", str(Path(repo).resolve()), "--port", str(port)]
+        if routing is not None:
+            self.argv += ["--routing", routing]
         self._io = (stdout, stderr)
         self.proc: subprocess.Popen | None = None
 

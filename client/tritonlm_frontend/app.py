@@ -26,6 +26,7 @@ class FrontendSettings:
     triton_url: str | list[str] = "localhost:8001"  # tritonserver's gRPC endpoint, or replicas
     triton_metrics_url: str | None = "http://localhost:8002/metrics"
     model_repository: Path | None = None  # read for tokenizers and sampling defaults
+    routing: str = "prefix-affinity"  # over several tritonservers: replica_pool.ROUTINGS
 
 
 def error_body(request: Request, error: APIError) -> dict:
@@ -38,7 +39,7 @@ def error_body(request: Request, error: APIError) -> dict:
 
 def create_app(settings: FrontendSettings) -> FastAPI:
     urls = [settings.triton_url] if isinstance(settings.triton_url, str) else list(settings.triton_url)
-    gateway = TritonGateway(urls[0]) if len(urls) == 1 else ReplicaPool(urls)
+    gateway = TritonGateway(urls[0]) if len(urls) == 1 else ReplicaPool(urls, settings.routing)
     catalog = ModelCatalog(gateway, settings.model_repository)
     metrics = FrontendMetrics(settings.triton_metrics_url)
 

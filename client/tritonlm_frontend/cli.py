@@ -10,6 +10,7 @@ from pathlib import Path
 import uvicorn
 
 from .app import FrontendSettings, create_app
+from .replica_pool import ROUTINGS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--triton-url", action="append",
                         help="tritonserver's gRPC endpoint (default localhost:8001); repeated: "
                              "replicas serving the same repository, requests spread over them")
+    parser.add_argument("--routing", choices=ROUTINGS, default="prefix-affinity",
+                        help="over several --triton-url replicas: the least busy one with affinity "
+                             "for shared prompt prefixes (default), or round-robin")
     parser.add_argument("--triton-metrics-url", default=None,
                         help="tritonserver's metrics URL, appended to /metrics (default: the "
                              "--triton-url host, port 8002)")
@@ -36,7 +40,7 @@ def main(argv=None) -> int:
     metrics_url = args.triton_metrics_url
     if metrics_url is None:
         metrics_url = f"http://{urls[0].rsplit(':', 1)[0]}:8002/metrics"
-    app = create_app(FrontendSettings(urls, metrics_url, args.model_repository))
+    app = create_app(FrontendSettings(urls, metrics_url, args.model_repository, args.routing))
     # One worker: its event loop multiplexes every request; the engine does the heavy work.
     # uvicorn[standard] gives it uvloop and httptools: on 2 shared cores, a token's SSE event
     # costs the engine less CPU (TGI route at concurrency 32: 0.86x -> 1.03x of gRPC's tokens/s).

@@ -7,6 +7,8 @@ AFFINITY_CHARS characters or AFFINITY_TOKENS token ids): its prefix cache likely
 KV blocks, so it keeps such requests while it has at most AFFINITY_SLACK more outstanding than the
 least busy replica (a hot prefix spills over instead of overloading one replica).
 
+`routing="round-robin"` takes the replicas in turn instead (to compare against).
+
 A replica is taken out when it cannot be reached (a request fails to connect, or a health check
 fails) and probed again every HEALTH_INTERVAL seconds. A request that could not start on one
 replica is sent to another; a stream that has started ends with the error.
@@ -52,8 +54,14 @@ def prefix_key(request: GenerateRequest) -> str:
     return json.dumps([request.model, request.sampling.get("lora_name"), start])
 
 
+ROUTINGS = ("prefix-affinity", "round-robin")
+
+
 class ReplicaPool:
-    def __init__(self, urls: list[str]):
+    def __init__(self, urls: list[str], routing: str = "prefix-affinity"):
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, not {routing!r}")
+        self.routing = routing
         self.replicas = [Replica(TritonGateway(url)) for url in urls]
         self.url = ", ".join(urls)
         self._affinity: OrderedDict[str, Replica] = OrderedDict()
@@ -64,13 +72,15 @@ class ReplicaPool:
         candidates = [r for r in self.replicas if r.healthy and r not in excluded]
         if not candidates:
             raise APIError(503, f"no tritonserver replica is reachable ({self.url})")
+        self._turn += 1
+        if self.routing == "round-robin":
+            return candidates[self._turn % len(candidates)]
         least = min(r.outstanding for r in candidates)
         preferred = self._affinity.get(key)
         if preferred in candidates and preferred.outstanding <= least + AFFINITY_SLACK:
             chosen = preferred
         else:
             idle = [r for r in candidates if r.outstanding == least]
-            self._turn += 1
             chosen = idle[self._turn % len(idle)]
         self._affinity[key] = chosen
         self._affinity.move_to_end(key)

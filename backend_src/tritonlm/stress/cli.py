@@ -6,6 +6,7 @@ when what the scenario proves did not hold.
   tritonlm-stress cut-streams --streams 1000 --protocol grpc http openai tgi
   tritonlm-stress overload --capacity 16 --multiple 3 --seconds 60
   tritonlm-stress soak --seconds 1800
+  tritonlm-stress replicas --concurrency 8   (stress/replicas.py: two replicas behind the front end)
 """
 import argparse
 import asyncio
@@ -22,10 +23,11 @@ from tritonlm.config import WEIGHTS_DIR, linked_repository
 from tritonlm.ports import free_ports
 from tritonlm.stress.clients import PROTOCOLS, Client, Endpoints
 from tritonlm.stress.probes import MetricsProbe
+from tritonlm.stress.replicas import replicas
 from tritonlm.stress.scenarios import cut_streams, kv_pressure, overload
 from tritonlm.stress.soak import soak
 
-SCENARIOS = ("kv-pressure", "cut-streams", "overload", "soak")
+SCENARIOS = ("kv-pressure", "cut-streams", "overload", "soak", "replicas")
 BLOCK_SIZE = 16
 PROMPT_TOKENS = (16, 64)
 
@@ -105,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-sequences", type=int, default=16,
                    help="kv-pressure: the KV cache holds this many whole sequences")
     p.add_argument("--output-len", type=int, default=32, help="tokens per request (soak: most)")
-    p.add_argument("--concurrency", type=int, default=32, help="cut-streams, soak")
+    p.add_argument("--concurrency", type=int, default=32, help="cut-streams, soak, replicas")
     p.add_argument("--protocol", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS))
     p.add_argument("--seconds", type=float, help="overload (60), soak (1800)")
     p.add_argument("--capacity", type=int, default=16,
@@ -119,15 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     defaults = {"kv-pressure": (512, None), "cut-streams": (1000, None),
-                "overload": (None, 60.0), "soak": (None, 1800.0)}[args.scenario]
+                "overload": (None, 60.0), "soak": (None, 1800.0), "replicas": (None, None)}[args.scenario]
     args.streams = args.streams or defaults[0]
     args.seconds = args.seconds or defaults[1]
     if args.model is None:
         from tritonlm.bench.cli import default_model_dir
         args.model = default_model_dir("float32")
     log_path = (args.json or Path(f"tritonlm-stress-{args.scenario}")).with_suffix(".server.log")
-    with served(args.model, engine_settings(args), log_path) as (endpoints, pids, metrics):
-        report = asyncio.run(run(args, endpoints, pids, metrics))
+    if args.scenario == "replicas":
+        report = replicas(args.model, log_path, args.concurrency, args.output_len, args.seed)
+    else:
+        with served(args.model, engine_settings(args), log_path) as (endpoints, pids, metrics):
+            report = asyncio.run(run(args, endpoints, pids, metrics))
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:
