@@ -47,6 +47,20 @@ def test_adapters_beyond_max_loras_wait_and_finish_the_same(tmp_path, smollm2_to
             llm.generate(prompts[0], greedy("nope"))
 
 
+def test_speculative_decoding_under_adapters_equals_peft_merged(tmp_path, smollm2_tokenizer):
+    """n-gram drafts verified by the model with each request's adapter: the tokens stay peft's."""
+    prompts = [p * 3 for p in random_prompts(3, len(smollm2_tokenizer), max_len=10, seed=5)]
+    model_dir, prompts, references = build(tmp_path, smollm2_tokenizer, "llama", prompts)
+    with LLM(str(model_dir), block_size=8, speculative="ngram", num_speculative_tokens=4,
+             prompt_lookup_min=1, prompt_lookup_max=3, speculative_disable_by_batch_size=64) as llm:
+        adapted = llm.generate(prompts, [greedy("all")] * len(prompts))
+        assert [o.token_ids for o in adapted] == references["all"]
+        assert llm.engine.scheduler.num_accepted_tokens > 0  # drafts kept under the adapter
+        names = list(references)
+        outputs = llm.generate([p for p in prompts for _ in names], [greedy(n) for _ in prompts for n in names])
+        assert [o.token_ids for o in outputs] == [references[n][i] for i in range(len(prompts)) for n in names]
+
+
 def test_bad_adapters_are_refused_at_load_naming_why(tmp_path, smollm2_tokenizer):
     from tritonlm_convert.convert import convert
     base = tmp_path / "hf"
