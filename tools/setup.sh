@@ -38,6 +38,10 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 # AutoAWQ's own packing and dequantization, the AWQ tests' reference; its pins (an older torch
 # and transformers, datasets) are for its model zoo, which they do not load.
 "${PIP[@]}" --no-deps autoawq==0.2.9
+# The published schemas of the custom resources in deploy/ (KEDA, prometheus-operator, Gateway
+# API), which tests/test_deploy_manifests.py validates them against.
+npm install --prefix "$VENV/node" --no-save --no-audit --no-fund --silent @kubernetes-models/keda@2.0.0 \
+  @kubernetes-models/prometheus-operator@6.0.0 @kubernetes-models/gateway-api@2.0.0
 "$VENV/bin/python" -c "import torch; assert torch.version.cuda is None, 'a CUDA torch was installed'"
 # The C++ CPU kernels (paged decode attention, fused layer ops), compiled once for this CPU
 # (servers then just load them).
