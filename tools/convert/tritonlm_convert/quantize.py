@@ -14,7 +14,7 @@ from .architectures import Shapes
 from .errors import ConversionError
 from .sources import Source
 
-DEFAULT_GROUP_SIZE = 128
+DEFAULT_GROUP_SIZE = 32  # measured best on SmolLM2 for RTN, GPTQ and AWQ alike (README: Quantization)
 Storage = dict[str, torch.Tensor]  # leaf (qweight, scales, biases, g_idx) -> tensor
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]  # leaf -> shape and dtype
 
