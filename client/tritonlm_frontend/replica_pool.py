@@ -10,8 +10,10 @@ least busy replica (a hot prefix spills over instead of overloading one replica)
 `routing="round-robin"` takes the replicas in turn instead (to compare against).
 
 A replica is taken out when it cannot be reached (a request fails to connect, or a health check
-fails) and probed again every HEALTH_INTERVAL seconds. A request that could not start on one
-replica is sent to another; a stream that has started ends with the error.
+fails) and probed again every HEALTH_INTERVAL seconds. A request one replica refused before
+generating anything (unreachable, the model not loaded there or stopping, full, its engine failed)
+is sent to another, and gets the last refusal when every replica refused it; a stream that has
+started ends with the error.
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ AFFINITY_ENTRIES = 4096  # prefixes remembered, least recently used dropped firs
 AFFINITY_SLACK = 4
 HEALTH_INTERVAL = 2.0
 HEALTH_TIMEOUT = 2.0
+# Refusals before any response that another replica may not give: the model not (or no longer)
+# loaded there, as while it stops; full; its engine failed; tritonserver unreachable.
+REFUSALS_ANOTHER_MAY_SERVE = (404, 429, 500, 502, 503)
 
 
 @dataclass(eq=False)
@@ -91,17 +96,29 @@ class ReplicaPool:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         self._watch()
         key, tried = prefix_key(request), set()
+        last_error: APIError | None = None
         while True:
-            replica = self.pick(key, tried)
+            try:
+                replica = self.pick(key, tried)
+            except APIError:
+                if last_error is not None:
+                    raise last_error from None  # every replica refused it: its own error
+                raise
             replica.outstanding += 1
+            started = False
             try:
                 async for chunk in replica.gateway.generate(request):
+                    started = True
                     yield chunk
                 return
-            except ReplicaUnreachable as error:  # nothing was generated there
-                logger.warning("tritonserver replica %s unreachable, taken out: %s", replica.gateway.url, error)
-                replica.healthy = False
+            except APIError as error:
+                if started or error.status not in REFUSALS_ANOTHER_MAY_SERVE:
+                    raise
+                if isinstance(error, ReplicaUnreachable):
+                    logger.warning("tritonserver replica %s unreachable, taken out: %s", replica.gateway.url, error)
+                    replica.healthy = False
                 tried.add(replica)
+                last_error = error
             finally:
                 replica.outstanding -= 1
 
