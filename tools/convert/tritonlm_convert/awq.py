@@ -134,10 +134,10 @@ def fold_scales(previous: nn.Module, linears: list[nn.Linear], scales: torch.Ten
 def _foldable(modules: dict[str, nn.Module], fold: Fold, quantized: set[nn.Module]) -> bool:
     previous = modules.get(fold.previous)
     linears = [modules.get(path) for path in fold.linears]
-    if previous is None or not all(linear in quantized for linear in linears):
+    if getattr(previous, "weight", None) is None or not all(linear in quantized for linear in linears):
         return False
     width = previous.out_features if isinstance(previous, nn.Linear) else previous.weight.shape[-1]
-    return getattr(previous, "weight", None) is not None and all(lin.in_features == width for lin in linears)
+    return all(linear.in_features == width for linear in linears)
 
 
 def awq_quantize(hf_dir: Path, weight_names: list[str], group_size: int, calibration_text: str,
