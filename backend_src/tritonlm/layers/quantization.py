@@ -93,10 +93,8 @@ class QuantizedWeight(nn.Module):
 
     def forward(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized weight."""
-        if self.group_size is _UNKNOWN:  # settled once the weights are loaded
-            self.group_size = uniform_group_size(self.g_idx, self.scales.shape[1])
         return dequantize(self.qweight, self.scales, self.biases, self.g_idx, dtype,
-                          self.group_size)
+                          self._settled_group_size())
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.fused is _UNKNOWN:  # chosen on first use, once the weights are loaded
@@ -118,13 +116,16 @@ class QuantizedWeight(nn.Module):
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """The dequantized rows `index` (any shape) -> [*index.shape, in_features]."""
-        if self.group_size is _UNKNOWN:
-            self.group_size = uniform_group_size(self.g_idx, self.scales.shape[1])
         flat = index.reshape(-1)
         biases = None if self.biases is None else self.biases[flat]
         weight = dequantize(self.qweight[flat], self.scales[flat], biases, self.g_idx, self.rows_dtype,
-                            self.group_size)
+                            self._settled_group_size())
         return weight.view(*index.shape, -1)
+
+    def _settled_group_size(self) -> int | None:
+        if self.group_size is _UNKNOWN:  # settled once the weights are loaded
+            self.group_size = uniform_group_size(self.g_idx, self.scales.shape[1])
+        return self.group_size
 
     def values(self) -> torch.Tensor:
         return integer_values(self.qweight)

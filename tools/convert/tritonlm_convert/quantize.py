@@ -19,6 +19,14 @@ Storage = dict[str, torch.Tensor]  # leaf (qweight, scales, biases, g_idx) -> te
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]  # leaf -> shape and dtype
 
 
+def _source_plan(model, found: Shapes) -> dict[str, list[str]]:
+    """loader.checkpoint_plan, its misfits as conversion errors."""
+    try:
+        return checkpoint_plan(model, found)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+
+
 def is_quantized(shapes: Shapes) -> bool:
     return any(f".{QUANTIZED}." in name for name in shapes)
 
@@ -28,10 +36,7 @@ def quantizable_layers(config: PretrainedConfig, found: Shapes) -> list[list[str
     or the LM head), its checkpoint weights: one, or the parts of a fused layer, which must be
     quantized alike (same bits, groups and biases) as they are stacked into one storage."""
     model = build_model(config)
-    try:
-        plan = checkpoint_plan(model, found)
-    except ValueError as e:
-        raise ConversionError(str(e)) from None
+    plan = _source_plan(model, found)
     return [plan[f"{path}.weight"] for path, module in model.named_modules()
             if hasattr(module, "use_quantized_weight") and not isinstance(module, nn.Embedding)]
 
@@ -42,10 +47,7 @@ def embedding_name(config: PretrainedConfig, found: Shapes) -> str | None:
     model = build_model(config)
     if not hasattr(model, "input_embeddings") or not hasattr(model.input_embeddings(), "use_quantized_weight"):
         return None
-    try:
-        plan = checkpoint_plan(model, found)
-    except ValueError as e:
-        raise ConversionError(str(e)) from None
+    plan = _source_plan(model, found)
     return plan[f"{model.decoder_name}.{model.embedding_name}.weight"][0]
 
 
@@ -155,10 +157,7 @@ def head_names(config: PretrainedConfig, found: Shapes) -> tuple[str, str] | Non
     model = build_model(config)
     if not hasattr(model, "use_quantized_head"):
         return None
-    try:
-        plan = checkpoint_plan(model, found)
-    except ValueError as e:
-        raise ConversionError(str(e)) from None
+    plan = _source_plan(model, found)
     return f"{model.head_name}.weight", plan[model.head_parameter()][0]
 
 
