@@ -38,11 +38,12 @@ def _errors(out: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
     return diff.max().item(), diff.mean().item()
 
 
-# rows around the kernel's 12-row tiles and 192-row chunks; features not multiples of its
-# 32-column blocks; odd inputs (the last feature pairs with padding)
+# rows around the kernel's tiles (AVX512: 12 rows; AVX2: 3 rows whole, 4-6 by half blocks) and
+# 192-row chunks; features not multiples of its 32-column blocks; odd inputs (the last feature
+# pairs with padding)
 @needs_bf16_matmul
 @pytest.mark.parametrize("multiply", MULTIPLY)
-@pytest.mark.parametrize("rows", [1, 5, 12, 13, 32, 200])
+@pytest.mark.parametrize("rows", [1, 3, 5, 12, 13, 32, 200])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 33), (7, 1), (100, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_matmul_as_close_as_f_linear(multiply, rows, out_features, in_features, with_bias):

@@ -6,9 +6,10 @@
 // A block's first 16 columns are its "low" features, the next 16 its "high" ones: features
 // 32j.. and 32j+16.. of a plain weight; in a gated one ([gate; up], I features each) gate features
 // 16j.. and the up features I+16j.., so a tile can write act(gate) * up straight away.
-// A tile of up to 12 rows x 32 columns (AVX512; 3 rows with AVX2's 16 registers; fewer for
-// grouped weights, which also keep a group's sums) keeps its float32 accumulators in registers
-// and reads every weight byte once per tile.
+// A tile of up to 12 rows x 32 columns (AVX512; fewer for grouped weights, which also keep a
+// group's sums) keeps its float32 accumulators in registers and reads every weight byte once per
+// tile; AVX2's 16 registers hold 3 rows x 32 columns, or 6 rows x a block's 16 low features, then
+// its 16 high ones.
 #pragma once
 #include "packed_matmul_registers.h"
 
@@ -104,6 +105,28 @@ struct WidenedFma {
   static void group_params(const float* group, int v, F& scale, F& bias) {
     scale = I::load(group + v * I::kLanes);
     bias = I::load(group + kBlock + v * I::kLanes);
+  }
+  // Half kHalf of the block's features only (registers [kHalf * V/2, (kHalf + 1) * V/2)), for
+  // tiles of more rows than registers for a whole block (AVX2): each row's x broadcast once per
+  // half vector pair instead of once per vector, the odd products first as in accumulate.
+  template <int R, int kHalf>
+  static void accumulate_half(F (&acc)[R][V], const W* w, const X* x, int64_t x_stride) {
+    constexpr int H = V / 2;
+    F even[H], odd[H], unused;  // widened twice: 12 accumulators leave no registers for both
+    for (int v = 0; v < H; ++v) widen(w, kHalf * H + v, unused, odd[v]);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const F xo = I::splat(x[r * x_stride + 1]);
+      for (int v = 0; v < H; ++v)
+        acc[r][kHalf * H + v] = I::fma(xo, odd[v], acc[r][kHalf * H + v]);
+    }
+    for (int v = 0; v < H; ++v) widen(w, kHalf * H + v, even[v], unused);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const F xe = I::splat(x[r * x_stride]);
+      for (int v = 0; v < H; ++v)
+        acc[r][kHalf * H + v] = I::fma(xe, even[v], acc[r][kHalf * H + v]);
+    }
   }
   template <int R>
   static void accumulate(F (&acc)[R][V], const W* w, const X* x, int64_t x_stride) {
@@ -217,6 +240,16 @@ void matmul_tile(const Tile<Mul, O>& t) {
           acc[r][v] = I::fma(sums[r][v], scale,
                              I::fma(I::splat(t.x_sums[r * groups + g]), bias, acc[r][v]));
       }
+    }
+  } else if constexpr (R * V > I::kAccumulators) {  // the block's low features, then its high
+    for (int64_t p = 0; p < t.pairs; ++p) {
+      prefetch(p);
+      Mul::template accumulate_half<R, 0>(acc, t.w + p * kPairElems<W>, t.x + 2 * p, t.x_stride);
+    }
+    for (int64_t p = 0; p < t.pairs; ++p) {  // the first pass pulled these lines into L2 or L1
+      const W* w = t.w + p * kPairElems<W>;
+      prefetch_pair<_MM_HINT_T0>(w + kPrefetchPairs * kPairElems<W>);
+      Mul::template accumulate_half<R, 1>(acc, w, t.x + 2 * p, t.x_stride);
     }
   } else {
     add_pairs<Mul, R>(acc, t, 0, t.pairs, prefetch);

@@ -22,7 +22,8 @@ struct Int4Pair {
 struct Avx512 {
   using F = __m512;
   static constexpr int kLanes = 16;
-  static constexpr int kMaxRows = 12;  // 24 accumulators + the weight registers (32 in all)
+  static constexpr int kAccumulators = 24;  // + the weight registers (32 in all)
+  static constexpr int kMaxRows = 12;
   static constexpr int kMaxGroupedRows = 6;  // + 12 registers for a group's sums
   static constexpr int64_t kPrewidenRows = 48;  // rows from which a block is widened once
                                                 // (not measured on AVX512 yet)
@@ -79,7 +80,10 @@ using Native = Avx512;
 struct Avx2 {
   using F = __m256;
   static constexpr int kLanes = 8;
-  static constexpr int kMaxRows = 3;  // 12 accumulators; one vector's weights widened at a time
+  static constexpr int kAccumulators = 12;  // + the weight registers and a broadcast (16)
+  // From 4 rows a tile multiplies the block's low 16 features, then its high 16: 6 rows x 2
+  // vectors broadcast each x value once per 2 FMAs instead of once per FMA.
+  static constexpr int kMaxRows = 6;
   static constexpr int kMaxGroupedRows = 2;
   // Zen 1, SmolLM2's matmuls at 16 rows: int8 96 -> 85 ms, int4 106 -> 89; no gain at 8 or less.
   static constexpr int64_t kPrewidenRows = 16;

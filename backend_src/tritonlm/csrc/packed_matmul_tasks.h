@@ -149,7 +149,6 @@ void run_tasks(const typename Mul::X* xs, int64_t x_stride, const typename Mul::
     auto run_tiles = [&](auto type, const auto* wm) {
       using M = typename decltype(type)::type;
       const int64_t row_tiles = (rows + kTileRows<M> - 1) / kTileRows<M>;
-      const int64_t per_tile = (rows + row_tiles - 1) / row_tiles;  // 32 rows: 11, 11, 10
       // The first tile streams the block from memory; the others compute from cache, so with x
       // in one chunk they pull the next block into L2 meanwhile, a share each, and the memory
       // does not idle (32 rows: the 30 SmolLM2 layers' matmuls 11.1 -> 10.4 ms on Zen 5).
@@ -159,8 +158,8 @@ void run_tasks(const typename Mul::X* xs, int64_t x_stride, const typename Mul::
       const int64_t next_per_pair =
           fetch_next ? (kPairBytes + row_tiles - 2) / (row_tiles - 1) : 0;
       const auto& tiles = kTiles<M, O>[activation + 1];
-      for (int64_t r = row0, i = 0; r < row0 + rows; r += per_tile, ++i) {
-        const int64_t n = std::min(per_tile, row0 + rows - r);
+      for (int64_t i = 0, r = row0, n; i < row_tiles; ++i, r += n) {
+        n = rows / row_tiles + (i < rows % row_tiles);  // 32 rows by 6: 6, 6, 5, 5, 5, 5
         O* out_row = os + r * s.out_cols;
         const char* next = fetch_next && i > 0 ? reinterpret_cast<const char*>(
             ws + (block + 1) * block_elems) + (i - 1) * pairs * next_per_pair : nullptr;
