@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tritonlm.layers import cpu_gemm, cpu_kernels
+from tritonlm.layers import cpu_gemm, cpu_kernels, quantized_matmul
 from tritonlm.layers.quantization import QuantizedWeight, dequantize, integer_values, pack_int4
 from tritonlm.layers.quantized_matmul import ROW_GROUP_SIZE, Int4Groups, PairBlocks, int8_rows
 
@@ -106,13 +106,13 @@ LAYOUTS = {  # name -> (bits, group size or None: one scale per row, act-order, 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_our_packed_kernel_takes_any_shape(layout, dtype, rows, out_features, in_features,
                                            multiply, monkeypatch):
-    """Rows around the kernel's row tiles (3 or 12; a prompt's several tiles share a block widened
-    once) and 192-row chunks, features short of its 32-column blocks, an odd input (the last one
+    """Rows around the kernel's row tiles (AVX2: 2-6, AVX512: 6-12; a prompt's several tiles share
+    a block widened once) and 192-row chunks, features short of its 32-column blocks, an odd input (the last one
     pairs with padding), groups shorter at the end; the packed copy replaces the storage. sgemm:
     the weight dequantized whole for float32 sgemm, as prompts run where that is faster."""
     monkeypatch.setenv(cpu_gemm.SGEMM_ROWS_ENV, "1" if multiply == "sgemm" else "0")
-    monkeypatch.setattr(cpu_gemm, "sgemm_rows_for_this_cpu",  # read the variable, cache nothing
-                        cpu_gemm.sgemm_rows_for_this_cpu.__wrapped__)
+    monkeypatch.setattr(quantized_matmul, "sgemm_rows_for_this_cpu",  # read it, cache nothing
+                        quantized_matmul.sgemm_rows_for_this_cpu.__wrapped__)
     bits, group_size, act_order, biases = LAYOUTS[layout]
     if bits == 4 and in_features % 2:
         pytest.skip("4-bit storage packs input columns in pairs")
@@ -226,3 +226,26 @@ def test_int8_inputs_give_quantized_weights_the_int8_math(layout, out_features, 
         tolerance = 1e-5 if prompt_in_int8 else 2 ** -20 * scale
     torch.testing.assert_close(layer.matmul(prompt, None).to(expected_prompt.dtype),
                                expected_prompt, atol=tolerance, rtol=1e-4)
+
+
+@pytest.mark.skipif(not OURS, reason="no AVX2 + FMA: torch's kernels run")
+def test_quantized_prompts_go_to_sgemm_where_measured_faster_unless_forced(monkeypatch):
+    """Measured apart from bf16 weights' choice (their tiles widen in registers, these dequantize
+    a block into a buffer first), on this CPU, once per process."""
+    def rows(forced: str | None) -> int:
+        quantized_matmul.sgemm_rows_for_this_cpu.cache_clear()
+        if forced is None:
+            monkeypatch.delenv(cpu_gemm.SGEMM_ROWS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(cpu_gemm.SGEMM_ROWS_ENV, forced)
+        try:
+            layer = storage(8, IN, biases=False)
+            return PairBlocks(integer_values(layer.qweight), layer.scales, None, layer.g_idx,
+                              IN, cpu_kernels.load()).sgemm_rows
+        finally:
+            quantized_matmul.sgemm_rows_for_this_cpu.cache_clear()
+
+    assert (rows("0"), rows("64")) == (0, 64)
+    assert rows(None) in (0, cpu_gemm.PROMPT_ROWS)
+    with pytest.raises(ValueError, match="row count"):
+        rows("many")

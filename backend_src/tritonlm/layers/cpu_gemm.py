@@ -27,8 +27,8 @@ from tritonlm.layers import cpu_kernels
 
 # "dot" or "fma" forces how the kernel multiplies (benchmarks, tests); unset, it measures.
 MULTIPLY_ENV = "TRITONLM_BF16_MATMUL"
-# From how many rows the kernel hands a widened weight to float32 sgemm (0: never); unset, it
-# measures.
+# From how many rows the kernels hand a widened weight to float32 sgemm (0: never), bf16 and
+# quantized weights alike; unset, they measure.
 SGEMM_ROWS_ENV = "TRITONLM_BF16_SGEMM_ROWS"
 PROMPT_ROWS = 512
 
@@ -51,28 +51,37 @@ def widen_for_this_cpu(kernels) -> bool:
 @functools.cache
 def sgemm_rows_for_this_cpu(kernels, widen: bool) -> int:
     """From how many rows bf16_matmul widens the whole weight to float32 and runs sgemm (MKL)
-    instead of its own tiles: PROMPT_ROWS where that measured clearly faster on this CPU (tiles
-    that widen as they go: AVX2, Intel's AVX512 FMAs), else 0 (never: bf16 dot products do twice
-    the FLOPs of float32 FMAs); or what SGEMM_ROWS_ENV says. Measured once per process on a
-    SmolLM2-sized weight (~0.1 s)."""
+    instead of its own tiles: see measured_sgemm_rows. Tiles that widen as they go (AVX2,
+    Intel's AVX512 FMAs) may lose to sgemm on prompts; bf16 dot products do twice the FLOPs of
+    float32 FMAs. Measured once per process on a SmolLM2-sized weight (~0.1 s)."""
+    torch.manual_seed(0)
+    packed = pack_pair_blocks(torch.randn(1536, 576, dtype=torch.bfloat16))
+    x = torch.randn(PROMPT_ROWS, 576, dtype=torch.bfloat16)
+    return measured_sgemm_rows(
+        lambda sgemm_rows: kernels.bf16_matmul(x, packed, 1536, False, None, -1, widen,
+                                               sgemm_rows))
+
+
+def measured_sgemm_rows(matmul) -> int:
+    """PROMPT_ROWS where `matmul(sgemm_rows)` on PROMPT_ROWS rows runs clearly faster handing
+    them to sgemm (sgemm_rows=PROMPT_ROWS) than in the kernel's tiles (0), else 0 (never); or
+    what SGEMM_ROWS_ENV says."""
     forced = os.environ.get(SGEMM_ROWS_ENV, "")
     if forced:
         if not forced.isdigit():
             raise ValueError(f"{SGEMM_ROWS_ENV} must be a row count (0: never), got {forced!r}")
         return int(forced)
-    torch.manual_seed(0)
-    packed = pack_pair_blocks(torch.randn(1536, 576, dtype=torch.bfloat16))
-    x = torch.randn(PROMPT_ROWS, 576, dtype=torch.bfloat16)
 
     def seconds(sgemm_rows: int) -> float:
-        runs = []
-        for _ in range(4):
-            start = time.perf_counter()
-            kernels.bf16_matmul(x, packed, 1536, False, None, -1, widen, sgemm_rows)
-            runs.append(time.perf_counter() - start)
-        return min(runs[1:])  # the first run warms the caches (and sgemm's threads)
+        start = time.perf_counter()
+        matmul(sgemm_rows)
+        return time.perf_counter() - start
 
-    return PROMPT_ROWS if seconds(PROMPT_ROWS) < 0.9 * seconds(0) else 0
+    runs: dict[int, list[float]] = {PROMPT_ROWS: [], 0: []}
+    for _ in range(6):  # interleaved: a host's slow moments slow both; the first warms caches
+        for sgemm_rows, times in runs.items():  # (and sgemm's threads)
+            times.append(seconds(sgemm_rows))
+    return PROMPT_ROWS if min(runs[PROMPT_ROWS][1:]) < 0.9 * min(runs[0][1:]) else 0
 
 
 class PairBlockWeight:

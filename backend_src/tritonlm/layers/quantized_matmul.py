@@ -11,6 +11,7 @@
   kernel (a scale per row), on the storage or a copy in its layout;
 - CUDA with OpenAI Triton installed: our Triton kernel (triton_quant_matmul.py), any layout.
 Any other layout dequantizes the weight for each matmul (`QuantizedWeight.forward`)."""
+import functools
 from collections.abc import Callable
 
 import torch
@@ -75,6 +76,23 @@ def cuda_matmul(qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tenso
     return lambda x: triton_quant_matmul.quantized_matmul(x, qweight, scales, biases, g_idx)
 
 
+@functools.cache
+def sgemm_rows_for_this_cpu(kernels) -> int:
+    """From how many rows quantized_matmul dequantizes the whole weight for float32 sgemm
+    (cpu_gemm.measured_sgemm_rows), measured once per process on int8 rows of a SmolLM2-sized
+    weight. Apart from bf16's: a prompt's tiles here dequantize each block into a buffer
+    before multiplying it, where bf16 tiles widen in registers (Zen 3, 512 rows: bf16 tiles
+    131-165 GFLOP/s against sgemm's 124-143; int8 and int4 tiles 73-106 against 109-137)."""
+    torch.manual_seed(0)
+    values = torch.randint(-127, 128, (1536, 576), dtype=torch.int8)
+    weight = PairBlocks(values, torch.full((1536, 1), 0.01), None,
+                        torch.zeros(576, dtype=torch.int32), 576, kernels, sgemm_rows=0)
+    x = torch.randn(cpu_gemm.PROMPT_ROWS, 576, dtype=torch.bfloat16)
+    return cpu_gemm.measured_sgemm_rows(
+        lambda sgemm_rows: kernels.quantized_matmul(x, weight.packed, weight.row_scales, None,
+                                                    576, 1536, None, sgemm_rows, 0))
+
+
 def int8_rows(kernels, bits: int) -> int:
     """Rows below which our kernel multiplies `bits`-bit weights by inputs quantized to int8."""
     return (VNNI_INT8_ROWS if kernels.has_vnni_dot_products else INT8_ROWS)[bits]
@@ -124,9 +142,8 @@ class PairBlocks(nn.Module):
         super().__init__()
         self.out_features, self.kernels, self.int8_rows = values.shape[0], kernels, int8_rows
         # prompts: the weight dequantized once and run by float32 sgemm, where that is faster
-        # than the kernel's tiles (measured on the bf16 tiles, which widen alike)
-        self.sgemm_rows = (cpu_gemm.sgemm_rows_for_this_cpu(kernels, True) if sgemm_rows is None
-                           else sgemm_rows)
+        # than the kernel's tiles
+        self.sgemm_rows = sgemm_rows_for_this_cpu(kernels) if sgemm_rows is None else sgemm_rows
         self.order, values = _sorted_by_group(values, g_idx)
         self.group_size = group_size
         four_bits = values.dtype == torch.uint8
