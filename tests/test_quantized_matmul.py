@@ -107,9 +107,10 @@ LAYOUTS = {  # name -> (bits, group size or None: one scale per row, act-order, 
 def test_our_packed_kernel_takes_any_shape(layout, dtype, rows, out_features, in_features,
                                            multiply, monkeypatch):
     """Rows around the kernel's row tiles (AVX2: 2-6, AVX512: 6-12; a prompt's several tiles share
-    a block widened once) and 192-row chunks, features short of its 32-column blocks, an odd input (the last one
-    pairs with padding), groups shorter at the end; the packed copy replaces the storage. sgemm:
-    the weight dequantized whole for float32 sgemm, as prompts run where that is faster."""
+    a block widened once) and 192-row chunks, features short of its 32-column blocks, an odd
+    input (the last one pairs with padding), groups shorter at the end; the packed copy replaces
+    the storage. sgemm: the weight dequantized whole for float32 sgemm, as prompts run where that
+    is faster."""
     monkeypatch.setenv(cpu_gemm.SGEMM_ROWS_ENV, "1" if multiply == "sgemm" else "0")
     monkeypatch.setattr(quantized_matmul, "sgemm_rows_for_this_cpu",  # read it, cache nothing
                         quantized_matmul.sgemm_rows_for_this_cpu.__wrapped__)
