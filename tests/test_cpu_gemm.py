@@ -43,7 +43,7 @@ def _errors(out: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
 # pairs with padding)
 @needs_bf16_matmul
 @pytest.mark.parametrize("multiply", MULTIPLY)
-@pytest.mark.parametrize("rows", [1, 3, 5, 12, 13, 32, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 13, 32, 200])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 33), (7, 1), (100, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_matmul_as_close_as_f_linear(multiply, rows, out_features, in_features, with_bias):
@@ -85,6 +85,22 @@ def test_gated_packing_applies_act_and_mul_as_the_separate_kernel_does(multiply,
         torch.testing.assert_close(fused, act(gate) * up, rtol=2e-2, atol=2e-2)
     with pytest.raises(RuntimeError, match="activation"):
         plain.matmul(x, bias, 0)
+
+
+@needs_bf16_matmul
+@pytest.mark.parametrize("multiply", ["dot", "fma"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(multiply, gated):
+    """Each row count has its own tiles (AVX2: up to 3 rows over whole blocks, 4-6 over half
+    blocks; AVX512: up to 12), yet every row's sums are added in one order: a sequence's tokens
+    do not depend on the batch it decodes in."""
+    torch.manual_seed(3)
+    packed = _packed(torch.randn(96, 200, dtype=torch.bfloat16) / 14, multiply, gated)
+    x = torch.randn(13, 200, dtype=torch.bfloat16)
+    activation = 0 if gated else None
+    alone = torch.cat([packed.matmul(x[i:i + 1], None, activation) for i in range(len(x))])
+    for rows in range(2, len(x) + 1):
+        assert torch.equal(packed.matmul(x[:rows], None, activation), alone[:rows]), rows
 
 
 @needs_bf16_matmul

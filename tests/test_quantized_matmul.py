@@ -63,6 +63,20 @@ def test_fused_cpu_kernels_equal_the_dequantized_matmul(layout, dtype):
                                    atol=2 ** -7 * expected.abs().max().item())
 
 
+@pytest.mark.skipif(not OURS, reason="no AVX2 + FMA: torch's kernels run")
+@pytest.mark.parametrize("layout", FUSED)
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(layout):
+    """Float inputs under the rows from which a prompt's blocks are dequantized once (16 on
+    AVX2): each row count has its own tiles, each row's sums one order."""
+    torch.manual_seed(5)
+    layer = storage(*FUSED[layout])
+    x = torch.randn(15, IN)
+    alone = torch.cat([layer.matmul(x[i:i + 1], None) for i in range(len(x))])
+    assert isinstance(layer.fused, PairBlocks)
+    for rows in range(2, len(x) + 1):
+        assert torch.equal(layer.matmul(x[:rows], None), alone[:rows]), rows
+
+
 def test_fused_int4_holds_the_only_copy_of_the_weight():
     layer = storage(4, 32)
     layer.matmul(torch.randn(3, IN), None)

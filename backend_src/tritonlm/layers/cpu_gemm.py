@@ -53,24 +53,27 @@ def sgemm_rows_for_this_cpu(kernels, widen: bool) -> int:
     """From how many rows bf16_matmul widens the whole weight to float32 and runs sgemm (MKL)
     instead of its own tiles: see measured_sgemm_rows. Tiles that widen as they go (AVX2,
     Intel's AVX512 FMAs) may lose to sgemm on prompts; bf16 dot products do twice the FLOPs of
-    float32 FMAs. Measured once per process on a SmolLM2-sized weight (~0.1 s)."""
-    torch.manual_seed(0)
-    packed = pack_pair_blocks(torch.randn(1536, 576, dtype=torch.bfloat16))
-    x = torch.randn(PROMPT_ROWS, 576, dtype=torch.bfloat16)
-    return measured_sgemm_rows(
-        lambda sgemm_rows: kernels.bf16_matmul(x, packed, 1536, False, None, -1, widen,
-                                               sgemm_rows))
+    float32 FMAs. Measured once per process on a SmolLM2-sized weight (~0.2 s)."""
+    def bf16_matmul():
+        seeded = torch.Generator().manual_seed(0)
+        packed = pack_pair_blocks(torch.randn(1536, 576, generator=seeded, dtype=torch.bfloat16))
+        x = torch.randn(PROMPT_ROWS, 576, generator=seeded, dtype=torch.bfloat16)
+        return lambda sgemm_rows: kernels.bf16_matmul(x, packed, 1536, False, None, -1, widen,
+                                                      sgemm_rows)
+
+    return measured_sgemm_rows(bf16_matmul)
 
 
-def measured_sgemm_rows(matmul) -> int:
-    """PROMPT_ROWS where `matmul(sgemm_rows)` on PROMPT_ROWS rows runs clearly faster handing
-    them to sgemm (sgemm_rows=PROMPT_ROWS) than in the kernel's tiles (0), else 0 (never); or
-    what SGEMM_ROWS_ENV says."""
+def measured_sgemm_rows(make_matmul) -> int:
+    """What SGEMM_ROWS_ENV says; else PROMPT_ROWS where `matmul(sgemm_rows)` (`make_matmul()`
+    builds it) on PROMPT_ROWS rows runs clearly faster handing them to sgemm
+    (sgemm_rows=PROMPT_ROWS) than in the kernel's tiles (0), else 0 (never)."""
     forced = os.environ.get(SGEMM_ROWS_ENV, "")
     if forced:
         if not forced.isdigit():
             raise ValueError(f"{SGEMM_ROWS_ENV} must be a row count (0: never), got {forced!r}")
         return int(forced)
+    matmul = make_matmul()
 
     def seconds(sgemm_rows: int) -> float:
         start = time.perf_counter()
