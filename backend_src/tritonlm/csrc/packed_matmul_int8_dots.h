@@ -15,29 +15,35 @@
 #pragma once
 #include "packed_matmul.h"
 
+#include <vector>
+
 #ifdef TRITONLM_PACKED_MATMUL
 
 namespace tritonlm {
 namespace packed_matmul {
 
 // Rows of x quantized for Int4Dots: int8 values [m, features], a scale and the integer sum per
-// row and group, and the rounded x's sum over each group.
+// row and group, and the rounded x's sum over each group. Held in the calling thread's buffers,
+// as float_rows holds widened x (packed_matmul_tasks.h): at batch 1, three tensor allocations
+// cost about as much as quantizing the row.
 struct QuantizedRows {
-  at::Tensor values;  // int8, x's feature count (even)
-  at::Tensor scales;  // float32 [m, groups, 2]: the scale, the group's integer sum (exact)
-  at::Tensor sums;    // float32 [m, groups]: scale * the group's integer sum
+  std::vector<int8_t> values;  // x's feature count (even) a row
+  std::vector<float> scales;   // [m, groups, 2]: the scale, the group's integer sum (exact)
+  std::vector<float> sums;     // [m, groups]: scale * the group's integer sum
 };
 
 // x [m, k] (float or bfloat16, k even) quantized per group of `group_size` features.
 template <typename T>
-QuantizedRows quantize_rows(const at::Tensor& x, int64_t groups, int64_t group_size) {
+const QuantizedRows& quantize_rows(const at::Tensor& x, int64_t groups, int64_t group_size) {
   const int64_t m = x.size(0), k = x.size(1);
-  QuantizedRows q{at::empty({m, k}, at::kChar), at::empty({m, groups, 2}, at::kFloat),
-                  at::empty({m, groups}, at::kFloat)};
+  thread_local QuantizedRows q;
+  q.values.resize(m * k);
+  q.scales.resize(m * groups * 2);
+  q.sums.resize(m * groups);
   const T* xs = reinterpret_cast<const T*>(x.data_ptr());
-  int8_t* values = q.values.data_ptr<int8_t>();
-  float* scales = q.scales.data_ptr<float>();
-  float* sums = q.sums.data_ptr<float>();
+  int8_t* values = q.values.data();
+  float* scales = q.scales.data();
+  float* sums = q.sums.data();
   for (int64_t r = 0; r < m; ++r)
     for (int64_t g = 0; g < groups; ++g) {
       const T* in = xs + r * x.stride(0) + g * group_size;

@@ -73,10 +73,10 @@ void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4, bool int8
              const std::optional<at::Tensor>& bias, at::Tensor& out, const Shape& shape) {
   using T = std::conditional_t<std::is_same_v<O, float>, float, c10::BFloat16>;
   if (int8_dots) {
-    const QuantizedRows q = quantize_rows<T>(x, groups->size(1), group_size);
-    const Dequant dequant = dequant_of(row_scales, groups, group_size, q.sums.data_ptr<float>(),
-                                       q.scales.data_ptr<float>());
-    const int8_t* values = q.values.data_ptr<int8_t>();
+    const QuantizedRows& q = quantize_rows<T>(x, groups->size(1), group_size);
+    const Dequant dequant =
+        dequant_of(row_scales, groups, group_size, q.sums.data(), q.scales.data());
+    const int8_t* values = q.values.data();
     if (int4)
       run_on<Int4Integer, O>(values, x.size(1), packed, dequant, bias, out, shape);
     else
