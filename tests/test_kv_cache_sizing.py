@@ -1,6 +1,7 @@
 """Sizing the KV cache: the gpu_memory_utilization budget, the profile steps (the largest steps the
 scheduler can plan) and running them through real models without disturbing the engine."""
 import pytest
+import torch
 from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
 
 from family_check import random_prompts, reference_greedy, save_tiny
@@ -74,3 +75,26 @@ def test_profile_steps_run_through_the_model_and_leave_the_engine_as_it_was(
     assert runner.kv_cache is cache and not runner.token_counts.rows
     after = [out.token_ids for out in llm.generate(prompts, params)]
     assert before == after == [reference_greedy(hf, p, 8) for p in prompts]
+
+
+@pytest.mark.parametrize("family, speculative, blocks_per_seq", [
+    (_tiny_llama, None, 4),  # 64 tokens in blocks of 16
+    (_tiny_llama, "ngram", 5),  # and a verification step's 4 lookahead slots
+    (_tiny_t5, None, 8)])  # and as many again for the encoder's K/V
+def test_a_cache_the_memory_would_oversize_holds_what_its_sequences_can_use(
+        tmp_path, smollm2_tokenizer, family, speculative, blocks_per_seq):
+    """kv_cache_memory's 1 GiB default would hold ~130,000 of these tiny models' blocks: the
+    cache gets what max_num_seqs sequences of max_model_len tokens hold at once, and they all
+    run to that length together without a preemption."""
+    from tritonlm_convert.convert import convert
+    model_class, config = family(smollm2_tokenizer)
+    save_tiny(tmp_path / "hf", model_class, config, smollm2_tokenizer)
+    model_dir = convert(str(tmp_path / "hf"), tmp_path / "repo", dtype="float32")
+    llm = LLM(str(model_dir), max_model_len=64, max_num_seqs=3, speculative=speculative)
+    assert llm.engine.config.kv_cache_memory == 1 << 30
+    assert llm.engine.runner.num_blocks == 3 * blocks_per_seq
+    prompts = torch.randint(3, config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    outputs = llm.generate(prompts.tolist(), params)
+    assert [len(out.token_ids) for out in outputs] == [48] * 3
+    assert llm.engine.scheduler.num_preemptions == 0

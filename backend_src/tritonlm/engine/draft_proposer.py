@@ -9,6 +9,7 @@ from pathlib import Path
 from tritonlm.config import WEIGHTS_DIR, EngineConfig
 from tritonlm.distributed import parallel_state
 from tritonlm.engine.block_manager import BlockManager
+from tritonlm.engine.kv_cache_sizing import most_blocks_in_use
 from tritonlm.engine.model_runner import ModelRunner
 from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.step_plan import SamplingRow, ScheduledChunk, StepPlan
@@ -38,8 +39,8 @@ class DraftModelProposer:
                                   max_num_seqs=config.speculative_disable_by_batch_size,
                                   enable_prefix_caching=False)
         # Its cache holds every speculating sequence at its longest.
-        per_seq = -(-(self.max_len + self.num_tokens) // draft.block_size)
-        draft.num_kv_blocks = per_seq * config.speculative_disable_by_batch_size
+        draft.num_kv_blocks = most_blocks_in_use(config.speculative_disable_by_batch_size,
+                                                 self.max_len, draft.block_size, self.num_tokens)
         self.runner = ModelRunner(draft, hf_config, weights)
         self.blocks = BlockManager(self.runner.num_blocks, draft.block_size, False)
         # The draft's copy of each speculating sequence: the target's tokens, then its own

@@ -41,6 +41,15 @@ def cuda_kv_cache_budget(total: int, free_at_start: int, free_now: int, reserved
     return budget
 
 
+def most_blocks_in_use(num_seqs: int, max_len: int, block_size: int, lookahead: int = 0,
+                       encoder_decoder: bool = False) -> int:
+    """The most KV blocks `num_seqs` running sequences can hold at once: each at its longest
+    (`max_len` tokens and a speculation step's `lookahead` slots) and, for an encoder-decoder, as
+    many again for its encoder's K/V. A larger cache would only keep freed prefixes longer."""
+    per_seq = -(-(max_len + lookahead) // block_size)
+    return num_seqs * per_seq * (2 if encoder_decoder else 1)
+
+
 def profile_steps(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int,
                   block_size: int, encoder_decoder: bool = False) -> tuple[list[StepPlan], int]:
     """The two largest steps the scheduler can plan, and the KV blocks they need: a prefill of

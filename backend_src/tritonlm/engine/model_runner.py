@@ -13,7 +13,8 @@ from tritonlm.engine.auto_dtype import resolve_dtype, resolve_int8_activations
 from tritonlm.engine.decode_graphs import DecodeGraphs, batch_buckets, program_buckets
 from tritonlm.engine.decode_run import (CUDA_DECODE_RUN, decode_run, sampled_tokens,
                                         verification_plan)
-from tritonlm.engine.kv_cache_sizing import GIB, cuda_kv_cache_budget, profile_steps
+from tritonlm.engine.kv_cache_sizing import (GIB, cuda_kv_cache_budget, most_blocks_in_use,
+                                             profile_steps)
 from tritonlm.engine.lora_registry import read_registry
 from tritonlm.engine.lora_slots import LoRASlots
 from tritonlm.engine.prompt_logprobs import prompt_logprobs
@@ -147,8 +148,8 @@ class ModelRunner:
         return PagedKernels(module.decode_attention, module.prefill_attention)
 
     def _size_kv_cache(self) -> int:
-        """KV blocks: num_kv_blocks, or as many as the memory for them holds (the same on
-        every rank)."""
+        """KV blocks: num_kv_blocks, or as many as the memory for them holds, at most what the
+        running sequences can hold at once (the same on every rank)."""
         if self.config.num_kv_blocks:
             return self.config.num_kv_blocks
         per_block = self._bytes_per_block()
@@ -156,9 +157,16 @@ class ModelRunner:
             budget, source = self.config.kv_cache_memory, f"kv_cache_memory {self.config.kv_cache_memory}"
         else:
             budget, source = self._profile_cuda_budget(), "the GPU memory left"
-        num_blocks = budget // per_block
-        if num_blocks < 1:
+        if budget < per_block:
             raise ValueError(f"{source} holds no {per_block}-byte KV block")
+        config = self.config
+        lookahead = config.num_speculative_tokens if config.speculative else 0
+        most = most_blocks_in_use(config.max_num_seqs, config.max_model_len, self.block_size,
+                                  lookahead, self.encoder_decoder)
+        num_blocks = min(budget // per_block, most)
+        logger.info("KV cache: %d blocks of %d tokens, %.3f GiB (%s)", num_blocks, self.block_size,
+                    num_blocks * per_block / GIB, source if num_blocks < most else
+                    f"all that {config.max_num_seqs} sequences of {config.max_model_len} tokens can hold")
         if parallel_state.current().connected:  # ranks measure their own GPUs
             count = torch.tensor([num_blocks], device=self.device)
             torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN)
