@@ -60,7 +60,7 @@ def test_overload_is_refused_fast_while_accepted_requests_keep_their_latency(tin
 
 
 def test_mixed_traffic_soak(tiny_model, tmp_path):
-    report = stress(tiny_model, tmp_path, "soak", "--seconds", "60", "--concurrency", "8",
+    report = stress(tiny_model, tmp_path, "soak", "--seconds", "30", "--concurrency", "8",
                     "--output-len", "24")
     assert report["good"] > 0 and report["bad"] > 0 and report["cut"] > 0
     assert report["failure_count"] == 0 and not report["bad_requests_accepted"]

@@ -35,6 +35,16 @@ class Outcome:
         return self.status == 429 or (self.error is not None and "overloaded" in self.error)
 
 
+async def _finish(call, timeout: float = 10.0) -> None:
+    """Wait for the end the server gives a call after the request's last response, rather than
+    closing the channel on it: tritonserver 2.51 cannot unload a model one of whose streams was
+    cancelled just after its last response (its stop then waits out --exit-timeout-secs)."""
+    try:
+        await asyncio.wait_for(call.code(), timeout)
+    except asyncio.TimeoutError:
+        call.cancel()
+
+
 @dataclass(frozen=True)
 class Endpoints:
     grpc: str  # host:port
@@ -77,13 +87,13 @@ class Client:
                 async for response in call:
                     if response.error_message:
                         outcome.error = response.error_message
-                        return
+                        return await _finish(call)
                     result = response.infer_response
                     outcome.token_ids += _int64_output(result, "token_ids")
                     outcome.events += 1
                     final = result.parameters.get("triton_final_response")
                     if final is not None and final.bool_param:
-                        return
+                        return await _finish(call)
                     if cut_after is not None and outcome.events >= cut_after:
                         outcome.cut = True
                         call.cancel()
