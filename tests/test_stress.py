@@ -26,6 +26,7 @@ def stress(tiny_model: Path, tmp_path: Path, *args: str) -> dict:
     assert out.exists(), run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert run.returncode == (0 if report["ok"] else 1)
+    assert report["server_exit_code"] == 0  # stopped at once, its requests all ended
     return report
 
 

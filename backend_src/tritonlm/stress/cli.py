@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from tritonlm.config import WEIGHTS_DIR, linked_repository
@@ -42,9 +43,17 @@ def engine_settings(args) -> dict:
     return {}
 
 
+@dataclass
+class Served:
+    endpoints: Endpoints
+    pids: list[int]  # the server's and the front end's
+    metrics: str  # host:port
+    exit_code: int | None = None  # tritonserver's, once stopped: not 0 when its stop hung
+
+
 @contextmanager
 def served(model_dir: Path, settings: dict, log_path: Path):
-    """(endpoints, the server's and front end's pids, metrics host:port) while both run."""
+    """A Served while tritonserver and the front end run."""
     from tritonlm.frontend_process import FrontendProcess
     from tritonlm.serve import TritonServerProcess
     with tempfile.TemporaryDirectory(prefix="tritonlm-stress-") as scratch, \
@@ -61,13 +70,15 @@ def served(model_dir: Path, settings: dict, log_path: Path):
                                        stderr=subprocess.STDOUT).start()
             if not frontend.wait_ready():
                 raise SystemExit(f"the HTTP front end did not become ready; see {log_path}")
-            endpoints = Endpoints(f"127.0.0.1:{grpc}", f"127.0.0.1:{http}",
-                                  f"http://127.0.0.1:{frontend_port}")
-            yield endpoints, [server.proc.pid, frontend.proc.pid], f"127.0.0.1:{metrics}"
+            running = Served(Endpoints(f"127.0.0.1:{grpc}", f"127.0.0.1:{http}",
+                                       f"http://127.0.0.1:{frontend_port}"),
+                             [server.proc.pid, frontend.proc.pid], f"127.0.0.1:{metrics}")
+            yield running
         finally:
             if frontend is not None:
                 frontend.stop()
-            server.stop()
+            exit_code = server.stop()
+        running.exit_code = exit_code
 
 
 def token_prompts(model_dir: Path, count: int, rng: random.Random) -> list[list[int]]:
@@ -131,8 +142,11 @@ def main(argv=None) -> None:
     if args.scenario == "replicas":
         report = replicas(args.model, log_path, args.concurrency, args.output_len, args.seed)
     else:
-        with served(args.model, engine_settings(args), log_path) as (endpoints, pids, metrics):
-            report = asyncio.run(run(args, endpoints, pids, metrics))
+        with served(args.model, engine_settings(args), log_path) as running:
+            report = asyncio.run(run(args, running.endpoints, running.pids, running.metrics))
+        # Every request has ended: the server stops at once, not after its exit timeout.
+        report["server_exit_code"] = running.exit_code
+        report["ok"] = report["ok"] and running.exit_code == 0
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:
