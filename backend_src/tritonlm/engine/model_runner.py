@@ -164,13 +164,14 @@ class ModelRunner:
         most = most_blocks_in_use(config.max_num_seqs, config.max_model_len, self.block_size,
                                   lookahead, self.encoder_decoder)
         num_blocks = min(budget // per_block, most)
-        logger.info("KV cache: %d blocks of %d tokens, %.3f GiB (%s)", num_blocks, self.block_size,
-                    num_blocks * per_block / GIB, source if num_blocks < most else
-                    f"all that {config.max_num_seqs} sequences of {config.max_model_len} tokens can hold")
         if parallel_state.current().connected:  # ranks measure their own GPUs
             count = torch.tensor([num_blocks], device=self.device)
             torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN)
             num_blocks = int(count.item())
+        bound = (f"the most {config.max_num_seqs} running sequences can hold" if num_blocks == most
+                 else source)
+        logger.info("KV cache: %d blocks of %d tokens, %.3f GiB (%s)", num_blocks, self.block_size,
+                    num_blocks * per_block / GIB, bound)
         return num_blocks
 
     def _cache_layout(self) -> tuple[dict, tuple[int, ...]]:
