@@ -7,10 +7,13 @@ next to HF transformers and vLLM on the same requests.
   tritonlm-bench --workload grounded --speculative ngram --offline-concurrency 1 --num-requests 8
 """
 import argparse
+import os
+import shutil
 import statistics
 import subprocess
 import sys
-from contextlib import ExitStack
+import tempfile
+from contextlib import ExitStack, suppress
 from pathlib import Path
 
 from tritonlm.bench import chat_workloads, metrics, report, workloads
@@ -28,9 +31,18 @@ def default_model_dir(dtype: str) -> Path:
     """The embedded SmolLM2, converted once per dtype."""
     repo = _CACHE / dtype
     if not (repo / "llm" / "1" / WEIGHTS_DIR).is_dir():
-        converter = Path(sys.executable).parent / "tritonlm-convert"
-        subprocess.run([str(converter), "default", "--output", str(repo), "--dtype", dtype],
-                       check=True)
+        # Converted aside and renamed into place: a run cut short, or two runs converting at
+        # once, never leave a half-written repository that the check above would take as done.
+        _CACHE.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=_CACHE, prefix=f".{dtype}-",
+                                         ignore_cleanup_errors=True) as aside:
+            converter = Path(sys.executable).parent / "tritonlm-convert"
+            subprocess.run([str(converter), "default", "--output", aside, "--dtype", dtype],
+                           check=True)
+            if not (repo / "llm" / "1" / WEIGHTS_DIR).is_dir():
+                shutil.rmtree(repo, ignore_errors=True)  # a partial one from an older version
+                with suppress(OSError):  # another run renamed its copy first
+                    os.rename(aside, repo)
     return repo / "llm"
 
 

@@ -37,8 +37,9 @@ def join_process_group(rank: int, world_size: int, init_method: str, device: tor
     dist.init_process_group(backend_for(device), init_method=init_method, rank=rank,
                             world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     parallel_state.set_rank(rank, world_size, connected=True)
-    if device.type == "cpu":  # the ranks share this host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    if device.type == "cpu":  # the ranks share this host's cores, or the OMP_NUM_THREADS given
+        cores = int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // world_size))
 
 
 def _rendezvous() -> str:
