@@ -24,7 +24,7 @@ serve: setup $(REPO)/$(MODEL)/config.pbtxt
 		--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --frontend-port $(FRONTEND_PORT)
 
 test: setup
-	$(PY) -m pytest -q -n auto --dist worksteal --durations=30 tests
+	$(PY) -m pytest -q -n $(shell nproc) --dist worksteal --durations=30 tests
 
 setup-vllm:
 	tools/setup_vllm.sh

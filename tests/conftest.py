@@ -12,11 +12,11 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
 # `make test` runs one pytest worker a core (pytest-xdist): each worker, and the servers and ranks
-# it starts, computes in its share of the cores. Two workers of two OpenMP threads each on two
-# cores spin against each other: 1.8x the CPU time for the same tests.
+# it starts, computes in its share of the cores unless OMP_NUM_THREADS says otherwise. Two workers
+# of two OpenMP threads each on two cores spin against each other: 1.8x the CPU time.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if WORKERS > 1:
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // WORKERS))
+if WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // WORKERS))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import importlib.util  # noqa: E402

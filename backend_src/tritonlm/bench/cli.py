@@ -7,13 +7,13 @@ next to HF transformers and vLLM on the same requests.
   tritonlm-bench --workload grounded --speculative ngram --offline-concurrency 1 --num-requests 8
 """
 import argparse
+import fcntl
 import os
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack
 from pathlib import Path
 
 from tritonlm.bench import chat_workloads, metrics, report, workloads
@@ -30,19 +30,22 @@ _CACHE = Path.home() / ".cache" / "tritonlm" / "bench"
 def default_model_dir(dtype: str) -> Path:
     """The embedded SmolLM2, converted once per dtype."""
     repo = _CACHE / dtype
-    if not (repo / "llm" / "1" / WEIGHTS_DIR).is_dir():
-        # Converted aside and renamed into place: a run cut short, or two runs converting at
-        # once, never leave a half-written repository that the check above would take as done.
-        _CACHE.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=_CACHE, prefix=f".{dtype}-",
-                                         ignore_cleanup_errors=True) as aside:
+    done = repo / "llm" / "1" / WEIGHTS_DIR
+    if done.is_dir():
+        return repo / "llm"
+    _CACHE.mkdir(parents=True, exist_ok=True)
+    with open(_CACHE / f".{dtype}.flock", "w") as flock:
+        fcntl.flock(flock, fcntl.LOCK_EX)  # one conversion at a time; freed if this process dies
+        if not done.is_dir():  # nor after waiting for a run that held the lock
+            # Converted aside and renamed into place: a run cut short leaves no half-written
+            # repository that the check above would take as done.
+            shutil.rmtree(repo, ignore_errors=True)
+            aside = _CACHE / f".{dtype}.converting"
+            shutil.rmtree(aside, ignore_errors=True)  # a run killed while converting
             converter = Path(sys.executable).parent / "tritonlm-convert"
-            subprocess.run([str(converter), "default", "--output", aside, "--dtype", dtype],
+            subprocess.run([str(converter), "default", "--output", str(aside), "--dtype", dtype],
                            check=True)
-            if not (repo / "llm" / "1" / WEIGHTS_DIR).is_dir():
-                shutil.rmtree(repo, ignore_errors=True)  # a partial one from an older version
-                with suppress(OSError):  # another run renamed its copy first
-                    os.rename(aside, repo)
+            os.rename(aside, repo)
     return repo / "llm"
 
 

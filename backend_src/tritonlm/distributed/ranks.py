@@ -38,8 +38,14 @@ def join_process_group(rank: int, world_size: int, init_method: str, device: tor
                             world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     parallel_state.set_rank(rank, world_size, connected=True)
     if device.type == "cpu":  # the ranks share this host's cores, or the OMP_NUM_THREADS given
-        cores = int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // world_size))
+        torch.set_num_threads(max(1, _cores() // world_size))
+
+
+def _cores() -> int:
+    """OMP_NUM_THREADS (its outer level, as in "4,2") where given, else the cores this process
+    may run on."""
+    given = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(given) if given.isdigit() and int(given) > 0 else len(os.sched_getaffinity(0))
 
 
 def _rendezvous() -> str:
