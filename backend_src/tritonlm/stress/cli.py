@@ -135,8 +135,8 @@ EXIT_TIMEOUT = "Exit timeout expired"
 
 def cancels_grpc_streams(args) -> bool:
     """Whether the scenario's clients cancel gRPC streams. Then tritonserver 2.51 sometimes never
-    unloads the model (the stub idle, its finalize never called; about one stop in five of
-    cut-streams under load), a hang of Triton's unload path also reported upstream
+    unloads the model (the stub idle, its finalize never called; cut-streams' stop once in five
+    `make test` runs under two workers), a hang of Triton's unload path also reported upstream
     (triton-inference-server/server#8755): its stop waits out the exit timeout, after which
     tritonlm-serve ends the stub. Reported (server_stop_timed_out), not failed."""
     return args.scenario in ("cut-streams", "soak") and "grpc" in args.protocol
@@ -158,7 +158,7 @@ def main(argv=None) -> None:
         with served(args.model, engine_settings(args), log_path) as running:
             report = asyncio.run(run(args, running.endpoints, running.pids, running.metrics))
         # Every request has ended: the server stops at once, not after its exit timeout, except
-        # where Triton's own unload can hang (below).
+        # where Triton's own unload can hang (cancels_grpc_streams).
         report["server_exit_code"] = running.exit_code
         report["server_stop_timed_out"] = EXIT_TIMEOUT in log_path.read_text(errors="replace")
         report["ok"] = report["ok"] and (running.exit_code == 0 or (
