@@ -3,6 +3,7 @@
     tritonlm-worker MODEL_DIR --rank R --world-size N --init-method tcp://HOST:PORT
 """
 import argparse
+import faulthandler
 import json
 import os
 import threading
@@ -45,6 +46,7 @@ def main(argv=None) -> int:
     parser.add_argument("--overrides", default="{}", help="engine settings, as JSON")
     parser.add_argument("--parent-pid", type=int, help="exit when this process is gone")
     args = parser.parse_args(argv)
+    faulthandler.enable()  # a native crash (abort, segfault) still names where it happened
     if args.parent_pid:
         _exit_when_orphaned(args.parent_pid)
     runner = _load_runner(args.model_dir, args.rank, args.world_size, args.init_method,
@@ -54,13 +56,14 @@ def main(argv=None) -> int:
         message = [None]
         try:
             dist.broadcast_object_list(message, src=0)
+            if message[0] is None:  # shut down: rank 0 closes the group once every rank has read it
+                dist.barrier()
         except RuntimeError as e:  # rank 0 closed the group without a word: it is gone
             print(f"tritonlm-worker rank {args.rank}: rank 0 left ({e}); exiting", flush=True)
             return 1
-        plan = message[0]
-        if plan is None:
+        if message[0] is None:
             break
-        runner.execute(plan)
+        runner.execute(message[0])
     dist.destroy_process_group()
     parallel_state.set_rank(0, 1)
     return 0
