@@ -15,6 +15,20 @@ def random_prompts(n: int, vocab_size: int, max_len: int = 40, seed: int = 0) ->
     return [torch.randint(3, vocab_size, (k,), generator=g).tolist() for k in lengths]
 
 
+def byte_tokenizer():
+    """Byte-level BPE over the 256 byte symbols (ids 0-255), no merges, BOS (256) prepended,
+    EOS 257: a whole vocabulary a tiny model's distribution can be tested over."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                   add_bos_token=True, chat_template=template)
+
+
 def save_tiny(directory: Path, model_class, config, tokenizer):
     """A random-weight model of `model_class(config)` saved as safetensors with `tokenizer`."""
     torch.manual_seed(0)

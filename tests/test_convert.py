@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import pre_tokenizers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast)
+                          MistralConfig, MistralForCausalLM)
+from family_check import byte_tokenizer
 from tritonlm.config import EngineConfig
 from tritonlm.triton.contract import render_config_pbtxt
 
@@ -117,17 +118,6 @@ def test_default_chat_template_renders_like_transformers(default_repo, smollm2_t
                        "pad_token": "<|im_end|>"}
 
 
-def _tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level BPE over the 256 byte symbols, no merges, BOS prepended."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", add_bos_token=True,
-                                   chat_template=template)
-
-
 def _save_tiny(directory: Path, config_class=LlamaConfig, model_class=LlamaForCausalLM, **overrides) -> dict:
     """A random tiny model saved in bfloat16 with its tokenizer; returns its state dict."""
     torch.manual_seed(0)
@@ -136,7 +126,7 @@ def _save_tiny(directory: Path, config_class=LlamaConfig, model_class=LlamaForCa
                           bos_token_id=256, eos_token_id=257, **overrides)
     model = model_class(config).to(torch.bfloat16)
     model.save_pretrained(directory)
-    _tiny_tokenizer().save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
     return model.state_dict()
 
 

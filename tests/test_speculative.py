@@ -3,7 +3,6 @@ verifies each sequence's proposals. Greedy tokens must stay transformers', sampl
 logprobs those of the engine without speculation (the draws are keyed by seed and output index,
 and a proposal is kept only where the target drew that very token), a token drawn where a
 proposal waited must follow transformers' distribution, and no block may leak."""
-from collections import Counter
 
 import httpx
 import numpy as np
@@ -13,7 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import hf_greedy, linked_repository
-from family_check import random_prompts, reference_greedy, tiny_llama
+from family_check import TINY_LLAMA, byte_tokenizer, random_prompts, reference_greedy, tiny_llama
 from tritonlm import LLM, SamplingParams
 from tritonlm.engine.ngram_proposer import propose_ngram
 from test_observability import delta, scrape
@@ -177,27 +176,48 @@ def test_cancelling_mid_speculation_frees_everything(tiny):
     assert llm.generate([[1, 2, 3, 1, 2]], SamplingParams(temperature=0, max_tokens=5))
 
 
-def test_token_drawn_at_a_proposal_follows_transformers_distribution(smollm2, smollm2_hf):
-    """Chi-square over many seeds: the second token, drawn where lookup proposed one (the
-    copied text's next token), given the most common first token, against transformers'."""
-    _, spec, prompts = smollm2
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory):
+    """A tiny Llama over a byte tokenizer's 258 ids, its final norm scaled up so that its
+    next-token distributions are peaked: a few thousand draws fill many bins."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from tritonlm_convert.convert import convert
+    directory = tmp_path_factory.mktemp("peaked")
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA, vocab_size=258, bos_token_id=256,
+                                      eos_token_id=257)).eval()
+    with torch.no_grad():
+        hf.model.norm.weight.mul_(3.0)
+    hf.save_pretrained(directory / "hf")
+    byte_tokenizer().save_pretrained(directory / "hf")
+    return hf, convert(str(directory / "hf"), directory / "repo", dtype="float32")
+
+
+def test_token_drawn_at_a_proposal_follows_transformers_distribution(peaked):
+    """Chi-square over many seeds: the pairs (first token, second token), the second drawn where
+    lookup proposed one (the prompt holds every id once, so any first token was copied from
+    somewhere), against transformers' joint distribution."""
+    hf, repo = peaked
+    vocab = hf.config.vocab_size
+    prompt = torch.randperm(vocab, generator=torch.Generator().manual_seed(0)).tolist()
+    spec = LLM(str(repo), **SPECULATIVE)
     num_samples, batch = 3000, 50  # batches under speculative_disable_by_batch_size
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=3, ignore_eos=True)
               for s in range(num_samples)]
-    drafted = counters(spec)[0]
     outputs = [o.token_ids for start in range(0, num_samples, batch)
-               for o in spec.generate([prompts[0]] * batch, params[start:start + batch])]
-    first = Counter(o[0] for o in outputs).most_common(1)[0][0]
-    second = np.array([o[1] for o in outputs if o[0] == first])
-    assert counters(spec)[0] - drafted >= len(second)  # each of them verified a proposal
+               for o in spec.generate([prompt] * batch, params[start:start + batch])]
+    assert counters(spec)[0] >= num_samples  # each second token verified a proposal
     with torch.inference_mode():
-        logits = smollm2_hf(torch.tensor([prompts[0] + [first]])).logits[0, -1].double()
-    probs = torch.softmax(logits, dim=-1).numpy()
-    # Bins: tokens expected at least 10 times each, the rest together.
-    common = np.flatnonzero(probs * len(second) >= 10)
-    assert len(common) >= 3
-    observed = [np.sum(second == t) for t in common] + [np.sum(~np.isin(second, common))]
-    expected = np.append(probs[common], 1 - probs[common].sum()) * len(second)
+        first = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), dim=-1)
+        continued = torch.tensor([prompt + [t] for t in range(vocab)])
+        second = torch.softmax(hf(continued).logits[:, -1].double(), dim=-1)
+    joint = (first[:, None] * second).numpy().ravel()  # of the pair (a, b) at a * vocab + b
+    drawn = np.array([o[0] * vocab + o[1] for o in outputs])
+    # Bins: pairs expected at least 10 times each, the rest together.
+    common = np.flatnonzero(joint * num_samples >= 10)
+    assert len(common) >= 10
+    observed = [np.sum(drawn == c) for c in common] + [np.sum(~np.isin(drawn, common))]
+    expected = np.append(joint[common], 1 - joint[common].sum()) * num_samples
     assert chisquare(observed, expected).pvalue > 1e-3
 
 
