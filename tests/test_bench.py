@@ -12,6 +12,7 @@ from tritonlm.bench.serve_client import chunk_sizes
 from tritonlm.bench.systems import server_urls
 
 from conftest import SERVED_MAX_MODEL_LEN
+from family_check import tiny_llama
 from test_observability import delta, scrape
 
 
@@ -281,19 +282,21 @@ def test_rounds_alternate_systems_and_never_reuse_cached_prompts(smollm2_server,
             assert report["ratios"][name] == pytest.approx(paired[1])
 
 
-def test_roofline_counts_the_matmul_flops_of_transformers_linear_layers(smollm2_llm, smollm2_hf,
-                                                                        smollm2_repo, capsys):
+def test_roofline_counts_the_matmul_flops_of_transformers_linear_layers(tmp_path, smollm2_tokenizer,
+                                                                        capsys):
     """Per token, our model's linear layers and head multiply-add what transformers' nn.Linear
-    layers do (its tied lm_head included); the report puts a run's FLOPs against the peak."""
+    layers do (a tied lm_head included); the report puts a run's FLOPs against the peak."""
     from torch import nn
 
+    from tritonlm import LLM
     from tritonlm.bench.roofline import matmul_flops_per_token
-    body, head = matmul_flops_per_token(smollm2_llm.engine.runner.model)
-    expected = sum(m.in_features * m.out_features for m in smollm2_hf.modules()
+    hf, repo = tiny_llama(tmp_path, smollm2_tokenizer, tie_word_embeddings=True)
+    body, head = matmul_flops_per_token(LLM(str(repo)).engine.runner.model)
+    expected = sum(m.in_features * m.out_features for m in hf.modules()
                    if isinstance(m, nn.Linear))
     assert body + head == 2 * expected
-    assert head == 2 * smollm2_hf.lm_head.in_features * smollm2_hf.lm_head.out_features
-    main(["--model", str(smollm2_repo), "--num-requests", "2", "--input-len", "8",
+    assert head == 2 * hf.lm_head.in_features * hf.lm_head.out_features
+    main(["--model", str(repo), "--num-requests", "2", "--input-len", "8",
           "--output-len", "4", "--roofline"])
     printed = capsys.readouterr().out
     assert "of the measured matmul peak" in printed and "batch-1 decode:" in printed
