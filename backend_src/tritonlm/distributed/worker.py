@@ -6,13 +6,13 @@ import argparse
 import faulthandler
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch.distributed as dist
-
-from tritonlm.distributed import parallel_state
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
@@ -37,7 +37,16 @@ def _load_runner(model_dir: str, rank: int, world_size: int, init_method: str, *
     return ModelRunner(config, load_config(weights_dir), weights_dir)
 
 
-def main(argv=None) -> int:
+def _leave(code: int) -> NoReturn:
+    """End the process without tearing gloo down: its threads' teardown, racing rank 0's closing
+    of the group or the interpreter's finalizing, aborted a worker once ('terminate called
+    without an active exception', after every step was served). The OS closes the sockets."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main(argv=None) -> NoReturn:
     parser = argparse.ArgumentParser(prog="tritonlm-worker", description=__doc__.splitlines()[0])
     parser.add_argument("model_dir")
     parser.add_argument("--rank", type=int, required=True)
@@ -60,14 +69,11 @@ def main(argv=None) -> int:
                 dist.barrier()
         except RuntimeError as e:  # rank 0 closed the group without a word: it is gone
             print(f"tritonlm-worker rank {args.rank}: rank 0 left ({e}); exiting", flush=True)
-            return 1
+            _leave(1)
         if message[0] is None:
-            break
+            _leave(0)
         runner.execute(message[0])
-    dist.destroy_process_group()
-    parallel_state.set_rank(0, 1)
-    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
