@@ -291,7 +291,8 @@ def test_roofline_counts_the_matmul_flops_of_transformers_linear_layers(tmp_path
     from tritonlm import LLM
     from tritonlm.bench.roofline import matmul_flops_per_token
     hf, repo = tiny_llama(tmp_path, smollm2_tokenizer, tie_word_embeddings=True)
-    body, head = matmul_flops_per_token(LLM(str(repo)).engine.runner.model)
+    with LLM(str(repo), num_kv_blocks=16) as llm:
+        body, head = matmul_flops_per_token(llm.engine.runner.model)
     expected = sum(m.in_features * m.out_features for m in hf.modules()
                    if isinstance(m, nn.Linear))
     assert body + head == 2 * expected

@@ -124,9 +124,6 @@ class RankGroup:
             if self.serving and all(w.poll() is None for w in self.workers):
                 with contextlib.suppress(Exception):  # best effort: a lost rank cannot listen
                     dist.broadcast_object_list([None], src=0)
-                    # A broadcast returns once sent: without this meeting, closing the group
-                    # could cut a rank still reading the plan.
-                    dist.barrier()
             dist.destroy_process_group()
             parallel_state.set_rank(0, 1)
         for worker in self.workers:

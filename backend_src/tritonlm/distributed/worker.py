@@ -3,6 +3,7 @@
     tritonlm-worker MODEL_DIR --rank R --world-size N --init-method tcp://HOST:PORT
 """
 import argparse
+import contextlib
 import faulthandler
 import json
 import os
@@ -37,12 +38,15 @@ def _load_runner(model_dir: str, rank: int, world_size: int, init_method: str, *
     return ModelRunner(config, load_config(weights_dir), weights_dir)
 
 
-def _leave(code: int) -> NoReturn:
+def _leave(code: int, message: str | None = None) -> NoReturn:
     """End the process without tearing gloo down: its threads' teardown, racing rank 0's closing
     of the group or the interpreter's finalizing, aborted a worker once ('terminate called
     without an active exception', after every step was served). The OS closes the sockets."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    with contextlib.suppress(OSError, ValueError):  # a closed stdout must not stop the exit
+        if message:
+            print(message)
+        sys.stdout.flush()
+        sys.stderr.flush()
     os._exit(code)
 
 
@@ -65,12 +69,9 @@ def main(argv=None) -> NoReturn:
         message = [None]
         try:
             dist.broadcast_object_list(message, src=0)
-            if message[0] is None:  # shut down: rank 0 closes the group once every rank has read it
-                dist.barrier()
         except RuntimeError as e:  # rank 0 closed the group without a word: it is gone
-            print(f"tritonlm-worker rank {args.rank}: rank 0 left ({e}); exiting", flush=True)
-            _leave(1)
-        if message[0] is None:
+            _leave(1, f"tritonlm-worker rank {args.rank}: rank 0 left ({e}); exiting")
+        if message[0] is None:  # shut down
             _leave(0)
         runner.execute(message[0])
 
