@@ -42,11 +42,13 @@ def _leave(code: int, message: str | None = None) -> NoReturn:
     """End the process without tearing gloo down: its threads' teardown, racing rank 0's closing
     of the group or the interpreter's finalizing, aborted a worker once ('terminate called
     without an active exception', after every step was served). The OS closes the sockets."""
-    with contextlib.suppress(OSError, ValueError):  # a closed stdout must not stop the exit
-        if message:
+    # A closed stream must not stop the exit.
+    if message:
+        with contextlib.suppress(OSError, ValueError):
             print(message)
-        sys.stdout.flush()
-        sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
     os._exit(code)
 
 
