@@ -1,11 +1,14 @@
-"""The CPU KV cache is allocated on transparent huge pages where the kernel offers them."""
+"""The CPU KV cache and the packed matmul weights lie on transparent huge pages where the kernel
+offers them."""
 from pathlib import Path
 
 import pytest
 import torch
 
-from tritonlm.layers import huge_pages
+from tritonlm.layers import cpu_kernels, huge_pages
+from tritonlm.layers.cpu_gemm import PairBlockWeight
 from tritonlm.layers.kv_cache import KVCache
+from tritonlm.layers.quantized_matmul import PairBlocks
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -34,8 +37,45 @@ def test_empty_is_zeroed_with_the_asked_shape(shape):
     assert float(tensor.float().sum()) == tensor.numel()
 
 
-@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
-                    reason="transparent huge pages are off on this machine")
+THP_OFF = pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
+                             reason="transparent huge pages are off on this machine")
+
+
+@THP_OFF
 def test_kv_cache_lies_on_huge_pages():
     cache = KVCache(2, 1024, (3, 16, 64), torch.bfloat16, False, torch.device("cpu"))  # 24 MiB
     assert huge_bytes_backing(cache.values) >= 8 * huge_pages.HUGE_PAGE
+
+
+def test_placed_tensors_keep_their_values_one_after_another(monkeypatch):
+    monkeypatch.setattr(huge_pages, "_regions", huge_pages._Regions())  # a region of its own
+    strided = torch.randn(300, 7).T  # not contiguous
+    tensors = [torch.arange(1000, dtype=torch.int64), strided,
+               torch.randint(0, 255, (3, 5), dtype=torch.uint8), torch.zeros(0)]
+    placed = [huge_pages.place(t) for t in tensors]
+    for original, copy in zip(tensors, placed):
+        assert torch.equal(original, copy) and copy.dtype == original.dtype
+        assert copy.is_contiguous()
+    first_end = placed[0].data_ptr() + placed[0].numel() * 8
+    assert placed[1].data_ptr() == first_end  # 8000 bytes: the next cache line
+    assert placed[2].data_ptr() == -(-(placed[1].data_ptr() + 2100 * 4) // 64) * 64
+    placed[1].fill_(3)  # a copy: the original is untouched
+    assert not torch.equal(tensors[1], placed[1])
+
+
+def test_a_tensor_larger_than_a_region_gets_its_own():
+    big = huge_pages.place(torch.ones(huge_pages.REGION + 1, dtype=torch.uint8))
+    assert big.data_ptr() % huge_pages.HUGE_PAGE == 0 and int(big.sum()) == huge_pages.REGION + 1
+
+
+@THP_OFF
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels are not built here")
+def test_packed_weights_lie_on_huge_pages():
+    kernels = cpu_kernels.load()
+    bf16 = PairBlockWeight(torch.randn(4096, 1024, dtype=torch.bfloat16), kernels)  # 8 MiB
+    values = torch.randint(0, 16, (8192, 1024), dtype=torch.uint8)
+    int4 = PairBlocks(values, torch.rand(8192, 32), torch.rand(8192, 32), torch.arange(1024) // 32,
+                      32, kernels)  # 4 MiB of values, 2 MiB of group scales and biases
+    assert huge_bytes_backing(bf16.data) >= 2 * huge_pages.HUGE_PAGE
+    assert huge_bytes_backing(int4.packed) >= huge_pages.HUGE_PAGE
+    assert huge_bytes_backing(int4.groups) >= huge_pages.HUGE_PAGE

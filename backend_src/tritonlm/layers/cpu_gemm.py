@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tritonlm.layers import cpu_kernels
+from tritonlm.layers import cpu_kernels, huge_pages
 
 # "dot" or "fma" forces how the kernel multiplies (benchmarks, tests); unset, it measures.
 MULTIPLY_ENV = "TRITONLM_BF16_MATMUL"
@@ -102,7 +102,7 @@ class PairBlockWeight:
         self.widen = widen_for_this_cpu(kernels) if widen is None else widen
         self.sgemm_rows = (sgemm_rows_for_this_cpu(kernels, self.widen) if sgemm_rows is None
                            else sgemm_rows)
-        self.data = pack_pair_blocks(weight, gated)
+        self.data = huge_pages.place(pack_pair_blocks(weight, gated))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
                activation: int | None = None) -> torch.Tensor:

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tritonlm.layers import cpu_gemm, cpu_kernels, triton_quant_matmul, triton_support
+from tritonlm.layers import (cpu_gemm, cpu_kernels, huge_pages, triton_quant_matmul,
+                             triton_support)
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 INT4_ROW_MULTIPLE = 16  # its packed layout holds output rows in tiles of 16
@@ -153,16 +154,17 @@ class PairBlocks(nn.Module):
         packed = cpu_gemm.pack_pair_blocks(values)
         if four_bits:
             packed = packed[..., 0] | (packed[..., 1] << 4)
-        self.register_buffer("packed", packed.contiguous())
+        self.register_buffer("packed", huge_pages.place(packed))
         for name in ("row_scales", "groups", "row_groups"):
             self.register_buffer(name, None)
         if per_row:
             self.row_scales = scales[:, 0].float().contiguous()
             if int8_rows:  # int8 inputs are scaled per group: the row's scale in each
                 num_groups = -(-values.shape[1] // ROW_GROUP_SIZE)
-                self.row_groups = _packed_groups(scales.expand(-1, num_groups), None)
+                self.row_groups = huge_pages.place(
+                    _packed_groups(scales.expand(-1, num_groups), None))
         else:
-            self.groups = _packed_groups(scales, biases)
+            self.groups = huge_pages.place(_packed_groups(scales, biases))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
