@@ -8,21 +8,24 @@ decode attention over a SmolLM2 cache ran ~15% faster. Elsewhere this is a plain
 The packed weights of the matmul kernels stream by once a decode step, a new 4 KiB page every
 few dozen instructions, each a TLB miss (under a hypervisor, a two-level walk) and the end of
 the hardware prefetcher's stream. `place` copies them one after another into shared regions of
-huge pages, in the order they are packed (the step's order). On 2 Zen 3 cores under KVM, batch 1:
-SmolLM2's 120 matmuls 8% (int4) and 10% (bf16) faster, a whole decode step 6% for both. A
-region's memory goes back once no tensor placed in it lives.
+huge pages, in the order they are packed (about the order a step reads them). On 2 Zen 3 cores
+under KVM, batch 1: SmolLM2's 120 matmuls 8% (int4) and 10% (bf16) faster, a whole decode step
+6% for both. A region's memory goes back once no tensor placed in it lives and `place` has moved
+on to the next (a model loaded after another may share a region with the first one's last
+tensors).
 
 The memory is mapped here rather than taken from malloc, which may hand out pages it has already
 touched (then too small for the advice to matter), and it is advised before anything touches it.
 """
 import math
 import mmap
+import os
 import threading
 
 import torch
 
 HUGE_PAGE = 1 << 21
-# place's regions (a larger tensor gets its own); an untouched end costs no memory
+# place's regions (a larger tensor gets a mapping of its own); an untouched end costs no memory
 REGION = 16 * HUGE_PAGE
 ALIGN = 64  # each placed tensor starts on a cache line
 
@@ -57,11 +60,12 @@ class _Regions:
         self.used = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
+        if nbytes > REGION:
+            return _advised_bytes(-(-nbytes // HUGE_PAGE) * HUGE_PAGE)[:nbytes]
         with self.lock:
             start = -(-self.used // ALIGN) * ALIGN
             if start + nbytes > self.region.numel():
-                size = max(REGION, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
-                self.region, start = _advised_bytes(size), 0
+                self.region, start = _advised_bytes(REGION), 0
             self.used = start + nbytes
             return self.region[start:start + nbytes]
 
@@ -69,8 +73,19 @@ class _Regions:
 _regions = _Regions()
 
 
+def _forget_regions() -> None:  # a forked child fills regions of its own (and has its own lock)
+    global _regions
+    _regions = _Regions()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_regions)
+
+
 def place(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of a CPU tensor on huge pages, next to the tensor placed before it."""
+    """A copy of a CPU tensor on huge pages, next to the tensor placed before it (the tensor
+    itself when empty or not on the CPU). The copy is a view of its region: torch.save of it
+    alone would write the whole region."""
     if tensor.device.type != "cpu" or tensor.numel() == 0:
         return tensor
     nbytes = tensor.numel() * tensor.element_size()

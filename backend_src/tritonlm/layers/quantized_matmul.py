@@ -84,14 +84,13 @@ def sgemm_rows_for_this_cpu(kernels) -> int:
     weight. Apart from bf16's: a prompt's tiles here dequantize each block into a buffer
     before multiplying it, where bf16 tiles widen in registers (Zen 3, 512 rows: bf16 tiles
     131-165 GFLOP/s against sgemm's 124-143; int8 and int4 tiles 73-106 against 109-137)."""
-    def int8_matmul():
+    def int8_matmul():  # packed here, not by PairBlocks: no region space for a throwaway
         seeded = torch.Generator().manual_seed(0)
         values = torch.randint(-127, 128, (1536, 576), generator=seeded, dtype=torch.int8)
-        weight = PairBlocks(values, torch.full((1536, 1), 0.01), None,
-                            torch.zeros(576, dtype=torch.int32), 576, kernels, sgemm_rows=0)
+        packed, scales = cpu_gemm.pack_pair_blocks(values), torch.full((1536,), 0.01)
         x = torch.randn(cpu_gemm.PROMPT_ROWS, 576, generator=seeded, dtype=torch.bfloat16)
         return lambda sgemm_rows: kernels.quantized_matmul(
-            x, weight.packed, weight.row_scales, None, 576, 1536, None, sgemm_rows, 0)
+            x, packed, scales, None, 576, 1536, None, sgemm_rows, 0)
 
     return cpu_gemm.measured_sgemm_rows(int8_matmul)
 
