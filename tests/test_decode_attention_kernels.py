@@ -114,8 +114,9 @@ def test_half_precision_within_rounding_of_float32(kernel, dtype, head_dim, hq, 
 
 
 # bfloat16 with D a multiple of 32 and bs a multiple of 16 takes the AVX512-BF16 path where the
-# CPU has it: ALiBi, windows starting mid-block, several 16-key chunks per block, up to 4 heads
-# per register tile and beyond.
+# CPU has it, else (D a multiple of two registers, bs of a register's lanes) the widened path of
+# decode_attention_widened.h: ALiBi, windows starting mid-block, several key groups per block, up
+# to 4 heads per register tile and beyond.
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32), (256, 16), (96, 48)])
 @pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (7, 1)], ids=["gqa", "mha", "mqa"])
 @pytest.mark.parametrize("variant", ["plain", "alibi", "window"])

@@ -56,6 +56,21 @@ struct Avx512 {
     odd = _mm512_loadu_ps(w + kLanes);
   }
   // Four vectors of 8 int32 sums (features 0-7, 8-15, 16-23, 24-31) as float32 registers.
+  // Lane t of the result: the sum of v[t]'s lanes (a lane never mixes with another vector's).
+  static F reduce_lanes(const F (&v)[kLanes]) {
+    __m512 l1[8], l2[4], l3[2];
+    for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+      l1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                            _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)  // per 128-bit lane: [a, b, c, d] (that lane's sums)
+      l2[i] = _mm512_add_ps(_mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0x44),
+                            _mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; ++i)  // [abcd lanes 0+1, abcd lanes 2+3, efgh 0+1, efgh 2+3]
+      l3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], 0x88),
+                            _mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(l3[0], l3[1], 0x88),
+                         _mm512_shuffle_f32x4(l3[0], l3[1], 0xDD));
+  }
   static void int32_octets(const __m256i (&sums)[4], F (&out)[2]) {
     for (int v = 0; v < 2; ++v)
       out[v] = _mm512_cvtepi32_ps(
@@ -113,6 +128,13 @@ struct Avx2 {
   static void widen_pairs(const float* w, F& even, F& odd) {  // widened already (prewiden)
     even = _mm256_loadu_ps(w);
     odd = _mm256_loadu_ps(w + kLanes);
+  }
+  // Lane t of the result: the sum of v[t]'s lanes.
+  static F reduce_lanes(const F (&v)[kLanes]) {
+    // per 128-bit half: [v0 0-3, v1 0-3, v2 0-3, v3 0-3] (low), the same of 4-7 (high)
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
   }
   static void int32_octets(const __m256i (&sums)[4], F (&out)[4]) {
     for (int v = 0; v < 4; ++v) out[v] = _mm256_cvtepi32_ps(sums[v]);

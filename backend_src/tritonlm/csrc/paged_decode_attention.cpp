@@ -6,7 +6,7 @@
 // of sequence b for kv head h. Query heads h*G .. h*G+G-1 (G = Hq / Hkv) share kv head h; they are
 // processed together so each K/V row is loaded once for the whole group (GQA / MQA).
 
-#include "cpu_vec.h"
+#include "decode_attention_widened.h"
 
 #include <cmath>
 #include <cstring>
@@ -15,6 +15,7 @@
 
 namespace tritonlm {
 namespace {
+using namespace paged_decode;
 
 // n contiguous values to float32.
 template <typename T>
@@ -94,35 +95,6 @@ inline float exp_sum(const float* s, float* p, int n, float max) {
   return sum;
 }
 
-// Blocks lie anywhere in the cache, beyond the hardware prefetcher's reach: each task asks for
-// the blocks kAhead ahead of the one it reads. Into L2 (locality 2), not L1: with requests for
-// every line of a block in flight at once, prefetching into L1 stalls on its few miss buffers
-// (cold reads of a 30-layer decode step took 11.2 ms with L1, 8.4 ms with L2).
-constexpr int64_t kAhead = 2;
-
-inline void prefetch_rows(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
-}
-
-// Before a task's first block: its first kAhead blocks.
-inline void prefetch_first_blocks(const void* key_cache, const void* value_cache,
-                                  const int64_t* rows, int64_t first, int64_t last,
-                                  int64_t block_bytes) {
-  for (int64_t j = first; j < std::min(first + kAhead, last + 1); ++j) {
-    prefetch_rows(static_cast<const char*>(key_cache) + rows[j] * block_bytes, block_bytes);
-    prefetch_rows(static_cast<const char*>(value_cache) + rows[j] * block_bytes, block_bytes);
-  }
-}
-
-struct Scratch {
-  std::vector<float> q, acc, scores, probs, keys, values, max, sum;
-  Scratch(int64_t G, int64_t D, int64_t bs)
-      : q(G * D), acc(G * D), scores(G * std::max<int64_t>(bs, 16)),
-        probs(G * std::max<int64_t>(bs, 16)), keys(bs * D), values(bs * D),
-        max(G), sum(G) {}
-};
-
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 // bfloat16 on CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids and later), keys 16 at a time:
 // - q.k straight from the bf16 cache with vdpbf16ps (exact products, float32 sums), the 16 keys'
@@ -136,22 +108,6 @@ struct Scratch {
 //   (d = 8L+i in lane 4L+i of the first 16, d = 8L+4+i in lane 4L+i of the next 16), put back
 //   in order at the end.
 #define TRITONLM_AVX512_BF16 1
-
-// Lane t of the result: the sum of v[t]'s 16 lanes (a lane never mixes with another vector's).
-inline __m512 reduce16(const __m512* v) {
-  __m512 l1[8], l2[4], l3[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    l1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                          _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: [a, b, c, d] (that lane's sums)
-    l2[i] = _mm512_add_ps(_mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0x44),
-                          _mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0xEE));
-  for (int i = 0; i < 2; ++i)  // [abcd lanes 0+1, abcd lanes 2+3, efgh 0+1, efgh 2+3]
-    l3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], 0x88),
-                          _mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(l3[0], l3[1], 0x88),
-                       _mm512_shuffle_f32x4(l3[0], l3[1], 0xDD));
-}
 
 // For heads g < GT: acc[g, d0:d0+32] = acc * alpha[g] + sum over valid rows t of
 // p[g, t] * v[t, d0:d0+32] (rows lo..hi-1; the other rows of a pair are read as zeros, so stale
@@ -214,16 +170,11 @@ void attend_group_bf16(const c10::BFloat16* q_, const c10::BFloat16* key_cache_,
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   const __m512 vscale = _mm512_set1_ps(scale);
   const int64_t first_block = first_key / bs, last_block = (context - 1) / bs;
-  const int64_t blocks = last_block - first_block + 1;
 
   prefetch_first_blocks(key_cache, value_cache, rows, first_block, last_block, block_elems * 2);
   for (int64_t j = first_block; j <= last_block; ++j) {
-    const int64_t* ahead_rows = j + kAhead <= last_block ? rows : next_rows;
-    const int64_t ahead = j + kAhead <= last_block ? j + kAhead : j + kAhead - blocks;
-    if (ahead_rows != nullptr && ahead <= last_block) {
-      prefetch_rows(key_cache + ahead_rows[ahead] * block_elems, block_elems * 2);
-      prefetch_rows(value_cache + ahead_rows[ahead] * block_elems, block_elems * 2);
-    }
+    prefetch_ahead(key_cache, value_cache, rows, next_rows, j, first_block, last_block,
+                   block_elems * 2);
     for (int64_t c = 0; c < bs; c += 16) {
       const int64_t base = j * bs + c;
       const int lo = static_cast<int>(std::max<int64_t>(first_key - base, 0));
@@ -245,7 +196,7 @@ void attend_group_bf16(const c10::BFloat16* q_, const c10::BFloat16* key_cache_,
                                  (__m512bh)_mm512_loadu_si512(k + t * kD + i * 32));
           part[t] = a;
         }
-        __m512 sc = _mm512_mul_ps(reduce16(part), vscale);
+        __m512 sc = _mm512_mul_ps(packed_matmul::Avx512::reduce_lanes(part), vscale);
         if (slopes != nullptr) sc = _mm512_fmadd_ps(_mm512_set1_ps(slopes[g]), distance, sc);
         sc = _mm512_mask_blend_ps(valid, neg_inf, sc);
         alpha[g] = 1.f;
@@ -403,6 +354,17 @@ void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& val
                                 static_cast<float>(scale), G, bs,
                                 out_ptr + (b * Hq + head) * D, scratch,
                                 h + 1 < grab ? rows_ptr + (task + 1) * nb : nullptr);
+          continue;
+        }
+      }
+#endif
+#ifdef TRITONLM_WIDENED_ATTENTION
+      if constexpr (std::is_same_v<T, c10::BFloat16> && kWidenedHeadDim<kD>) {
+        if (widened_block_size(bs)) {
+          attend_widened<kD>(q_ptr + (b * Hq + head) * D, k_ptr, v_ptr, rows_ptr + task * nb,
+                             ctx_ptr[b], slopes ? slopes + head : nullptr, window,
+                             static_cast<float>(scale), G, bs, out_ptr + (b * Hq + head) * D,
+                             scratch, h + 1 < grab ? rows_ptr + (task + 1) * nb : nullptr);
           continue;
         }
       }
