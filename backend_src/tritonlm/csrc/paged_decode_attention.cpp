@@ -247,7 +247,7 @@ void attend_group_bf16(const c10::BFloat16* q_, const c10::BFloat16* key_cache_,
 template <typename T, int kD>
 void attend_group(const T* q, const T* key_cache, const T* value_cache, const int64_t* rows,
                   int64_t context, const float* slopes, int64_t window, float scale, int64_t G,
-                  int64_t D, int64_t bs, T* out, Scratch& s) {
+                  int64_t D, int64_t bs, T* out, Scratch& s, const int64_t* next_rows) {
   if (context <= 0) {  // no keys: a zero output, not NaN
     for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(0.f);
     return;
@@ -262,13 +262,14 @@ void attend_group(const T* q, const T* key_cache, const T* value_cache, const in
   const int64_t block_elems = bs * D;
 
   const int64_t last_block = (context - 1) / bs;
-  prefetch_first_blocks(key_cache, value_cache, rows, first_key / bs, last_block,
+  const int64_t first_block = first_key / bs;
+  prefetch_first_blocks(key_cache, value_cache, rows, first_block, last_block,
                         block_elems * sizeof(T));
-  for (int64_t j = first_key / bs; j <= last_block; ++j) {
-    if (j + kAhead <= last_block) {
-      prefetch_rows(key_cache + rows[j + kAhead] * block_elems, block_elems * sizeof(T));
-      prefetch_rows(value_cache + rows[j + kAhead] * block_elems, block_elems * sizeof(T));
-    }
+  for (int64_t j = first_block; j <= last_block; ++j) {
+    // the block ahead asked for a share of its rows per key read (decode_attention_widened.h)
+    const int64_t ahead = ahead_row(rows, next_rows, j, first_block, last_block);
+    const T* k_ahead = ahead < 0 ? nullptr : key_cache + ahead * block_elems;
+    const T* v_ahead = ahead < 0 ? nullptr : value_cache + ahead * block_elems;
     const int64_t base = j * bs;
     const int t0 = static_cast<int>(std::max<int64_t>(first_key - base, 0));
     const int t1 = static_cast<int>(std::min<int64_t>(context - base, bs));
@@ -286,6 +287,11 @@ void attend_group(const T* q, const T* key_cache, const T* value_cache, const in
     }
     // Scores [G, n], each K row loaded once for the G heads.
     for (int t = 0; t < n; ++t) {
+      if (k_ahead != nullptr) {
+        const int64_t first = t * bs / n, rows_ahead = (t + 1) * bs / n - first;
+        prefetch_rows(k_ahead + first * D, rows_ahead * D * sizeof(T));
+        prefetch_rows(v_ahead + first * D, rows_ahead * D * sizeof(T));
+      }
       const float* k = kf + static_cast<int64_t>(t) * D;
       for (int64_t g = 0; g < G; ++g) s.scores[g * bs + t] = dot<kD>(qf + g * D, k, D);
     }
@@ -372,7 +378,7 @@ void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& val
       attend_group<T, kD>(q_ptr + (b * Hq + head) * D, k_ptr, v_ptr, rows_ptr + task * nb,
                           ctx_ptr[b], slopes ? slopes + head : nullptr, window,
                           static_cast<float>(scale), G, D, bs, out_ptr + (b * Hq + head) * D,
-                          scratch);
+                          scratch, h + 1 < grab ? rows_ptr + (task + 1) * nb : nullptr);
     }
   }
 }
