@@ -29,12 +29,14 @@ constexpr bool kWidenedHeadDim = kD > 0 && kD % (2 * kLanes) == 0;
 inline bool widened_block_size(int64_t bs) { return bs % kLanes == 0; }
 
 // parts[g][t] = the lanes of q_g . k_t (q split and scaled in qs [G][chunks][even, odd][lanes])
-// for the kLanes keys from k, heads g < GT; asks for the same keys' rows at k_ahead (or null).
+// for the kLanes keys from k, heads g < GT; asks for the same rows of K and V at k_ahead and
+// v_ahead (or null: prefetch_share).
 template <int GT, int kD>
-inline void key_dots(const float* qs, const uint16_t* k, float* parts, const uint16_t* k_ahead) {
+inline void key_dots(const float* qs, const uint16_t* k, float* parts, const uint16_t* k_ahead,
+                     const uint16_t* v_ahead) {
   constexpr int C = kD / (2 * kLanes);
   for (int t = 0; t < kLanes; ++t) {
-    if (k_ahead != nullptr) prefetch_rows(k_ahead + t * kD, kD * 2);
+    prefetch_share(k_ahead, v_ahead, t, kLanes, kLanes, kD * 2);
     Isa::F a[GT];
     for (int g = 0; g < GT; ++g) a[g] = Isa::zero();
     for (int c = 0; c < C; ++c) {
@@ -59,10 +61,10 @@ constexpr int value_chunks() {
 }
 
 // acc[g] += sum over rows t in [lo, hi) of p[g][t] * v[t] for heads g < GT (acc and v split
-// into pair chunks as qs is; p rows bs apart); asks for the same rows at v_ahead (or null).
+// into pair chunks as qs is; p rows bs apart).
 template <int GT, int kD>
 inline void add_values(float* acc, const float* p, int64_t bs, const uint16_t* v, int lo,
-                       int hi, const uint16_t* v_ahead) {
+                       int hi) {
   constexpr int C = kD / (2 * kLanes), CC = value_chunks<GT, C>();
   for (int c0 = 0; c0 < C; c0 += CC) {
     Isa::F a[GT][CC][2];
@@ -71,7 +73,6 @@ inline void add_values(float* acc, const float* p, int64_t bs, const uint16_t* v
         for (int h = 0; h < 2; ++h)
           a[g][c][h] = Isa::load(acc + ((g * C + c0 + c) * 2 + h) * kLanes);
     for (int t = lo; t < hi; ++t) {
-      if (c0 == 0 && v_ahead != nullptr) prefetch_rows(v_ahead + t * kD, kD * 2);
       for (int c = 0; c < CC; ++c) {
         Isa::F even, odd;
         Isa::widen_pairs(v + t * kD + (c0 + c) * 2 * kLanes, even, odd);
@@ -139,8 +140,6 @@ void attend_widened(const c10::BFloat16* q_, const c10::BFloat16* key_cache_,
 
   prefetch_first_blocks(key_cache, value_cache, rows, first_block, last_block, block_elems * 2);
   for (int64_t j = first_block; j <= last_block; ++j) {
-    // the block kAhead further asked for row by row as this one is read: a whole block's
-    // requests at once stalled on the few miss buffers
     const int64_t ahead = ahead_row(rows, next_rows, j, first_block, last_block);
     const uint16_t* k_ahead = ahead < 0 ? nullptr : key_cache + ahead * block_elems;
     const uint16_t* v_ahead = ahead < 0 ? nullptr : value_cache + ahead * block_elems;
@@ -158,8 +157,10 @@ void attend_widened(const c10::BFloat16* q_, const c10::BFloat16* key_cache_,
       const Vec valid = (key >= Vec(static_cast<float>(lo))) & (key < Vec(static_cast<float>(hi)));
       head_tiles(G, [&](auto tile, int64_t g0) {
         constexpr int GT = decltype(tile)::value;
+        const bool first_tile = g0 == 0 && k_ahead != nullptr;
         key_dots<GT, kD>(qs + g0 * kD, k + t0 * kD, s.parts.data(),
-                         g0 == 0 && k_ahead ? k_ahead + t0 * kD : nullptr);
+                         first_tile ? k_ahead + t0 * kD : nullptr,
+                         first_tile ? v_ahead + t0 * kD : nullptr);
         for (int g = 0; g < GT; ++g) {
           Isa::F part[kLanes];
           for (int t = 0; t < kLanes; ++t)
@@ -197,8 +198,7 @@ void attend_widened(const c10::BFloat16* q_, const c10::BFloat16* key_cache_,
     }
     head_tiles(G, [&](auto tile, int64_t g0) {
       constexpr int GT = decltype(tile)::value;
-      add_values<GT, kD>(s.acc.data() + g0 * kD, scores + g0 * bs, bs, v, lo, hi,
-                         g0 == 0 ? v_ahead : nullptr);
+      add_values<GT, kD>(s.acc.data() + g0 * kD, scores + g0 * bs, bs, v, lo, hi);
     });
   }
   for (int64_t g = 0; g < G; ++g) {

@@ -266,7 +266,6 @@ void attend_group(const T* q, const T* key_cache, const T* value_cache, const in
   prefetch_first_blocks(key_cache, value_cache, rows, first_block, last_block,
                         block_elems * sizeof(T));
   for (int64_t j = first_block; j <= last_block; ++j) {
-    // the block ahead asked for a share of its rows per key read (decode_attention_widened.h)
     const int64_t ahead = ahead_row(rows, next_rows, j, first_block, last_block);
     const T* k_ahead = ahead < 0 ? nullptr : key_cache + ahead * block_elems;
     const T* v_ahead = ahead < 0 ? nullptr : value_cache + ahead * block_elems;
@@ -287,11 +286,7 @@ void attend_group(const T* q, const T* key_cache, const T* value_cache, const in
     }
     // Scores [G, n], each K row loaded once for the G heads.
     for (int t = 0; t < n; ++t) {
-      if (k_ahead != nullptr) {
-        const int64_t first = t * bs / n, rows_ahead = (t + 1) * bs / n - first;
-        prefetch_rows(k_ahead + first * D, rows_ahead * D * sizeof(T));
-        prefetch_rows(v_ahead + first * D, rows_ahead * D * sizeof(T));
-      }
+      prefetch_share(k_ahead, v_ahead, t, n, bs, D * sizeof(T));
       const float* k = kf + static_cast<int64_t>(t) * D;
       for (int64_t g = 0; g < G; ++g) s.scores[g * bs + t] = dot<kD>(qf + g * D, k, D);
     }
@@ -352,6 +347,7 @@ void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& val
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t head = h * G;
+      const int64_t* next_rows = h + 1 < grab ? rows_ptr + (task + 1) * nb : nullptr;
 #ifdef TRITONLM_AVX512_BF16
       if constexpr (std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 32 == 0) {
         if (bs % 16 == 0) {
@@ -359,7 +355,7 @@ void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& val
                                 ctx_ptr[b], slopes ? slopes + head : nullptr, window,
                                 static_cast<float>(scale), G, bs,
                                 out_ptr + (b * Hq + head) * D, scratch,
-                                h + 1 < grab ? rows_ptr + (task + 1) * nb : nullptr);
+                                next_rows);
           continue;
         }
       }
@@ -370,7 +366,7 @@ void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& val
           attend_widened<kD>(q_ptr + (b * Hq + head) * D, k_ptr, v_ptr, rows_ptr + task * nb,
                              ctx_ptr[b], slopes ? slopes + head : nullptr, window,
                              static_cast<float>(scale), G, bs, out_ptr + (b * Hq + head) * D,
-                             scratch, h + 1 < grab ? rows_ptr + (task + 1) * nb : nullptr);
+                             scratch, next_rows);
           continue;
         }
       }
@@ -378,7 +374,7 @@ void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& val
       attend_group<T, kD>(q_ptr + (b * Hq + head) * D, k_ptr, v_ptr, rows_ptr + task * nb,
                           ctx_ptr[b], slopes ? slopes + head : nullptr, window,
                           static_cast<float>(scale), G, D, bs, out_ptr + (b * Hq + head) * D,
-                          scratch, h + 1 < grab ? rows_ptr + (task + 1) * nb : nullptr);
+                          scratch, next_rows);
     }
   }
 }
