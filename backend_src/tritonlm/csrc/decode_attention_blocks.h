@@ -39,20 +39,10 @@ inline int64_t ahead_row(const int64_t* rows, const int64_t* next_rows, int64_t 
   return next_rows != nullptr && ahead <= last ? next_rows[ahead] : -1;
 }
 
-// As block j is read: the block kAhead further (ahead_row), all of it.
-inline void prefetch_ahead(const void* key_cache, const void* value_cache, const int64_t* rows,
-                           const int64_t* next_rows, int64_t j, int64_t first, int64_t last,
-                           int64_t block_bytes) {
-  const int64_t row = ahead_row(rows, next_rows, j, first, last);
-  if (row < 0) return;
-  prefetch_rows(static_cast<const char*>(key_cache) + row * block_bytes, block_bytes);
-  prefetch_rows(static_cast<const char*>(value_cache) + row * block_bytes, block_bytes);
-}
-
 // Rows [i * bs / n, (i + 1) * bs / n) of the blocks of bs rows (row_bytes each) at k_ahead and
 // v_ahead (null: none): called for each of the n keys a block reads, it asks for the block ahead
-// a share at a time, where all of it at once stalled on the core's few miss buffers (Zen 3, 30
-// layers, 32 x ~180 keys: 11.2 -> 7.5 ms).
+// a share at a time, where all of it at once stalled on the core's few miss buffers (30 layers,
+// 32 x ~180 keys: Zen 3's widened path 11.2 -> 7.5 ms, Zen 4's AVX512-BF16 one 9.8 -> 7.7).
 __attribute__((always_inline)) inline void prefetch_share(const void* k_ahead,
                                                           const void* v_ahead, int64_t i,
                                                           int64_t n, int64_t bs,

@@ -173,8 +173,9 @@ void attend_group_bf16(const c10::BFloat16* q_, const c10::BFloat16* key_cache_,
 
   prefetch_first_blocks(key_cache, value_cache, rows, first_block, last_block, block_elems * 2);
   for (int64_t j = first_block; j <= last_block; ++j) {
-    prefetch_ahead(key_cache, value_cache, rows, next_rows, j, first_block, last_block,
-                   block_elems * 2);
+    const int64_t ahead = ahead_row(rows, next_rows, j, first_block, last_block);
+    const uint16_t* k_ahead = ahead < 0 ? nullptr : key_cache + ahead * block_elems;
+    const uint16_t* v_ahead = ahead < 0 ? nullptr : value_cache + ahead * block_elems;
     for (int64_t c = 0; c < bs; c += 16) {
       const int64_t base = j * bs + c;
       const int lo = static_cast<int>(std::max<int64_t>(first_key - base, 0));
@@ -190,6 +191,7 @@ void attend_group_bf16(const c10::BFloat16* q_, const c10::BFloat16* key_cache_,
         for (int i = 0; i < QV; ++i) qv[i] = _mm512_loadu_si512(q + g * kD + i * 32);
         __m512 part[16];
         for (int t = 0; t < 16; ++t) {  // all 16 rows: the invalid lanes are replaced below
+          if (g == 0) prefetch_share(k_ahead, v_ahead, c + t, bs, bs, kD * 2);
           __m512 a = _mm512_setzero_ps();
           for (int i = 0; i < QV; ++i)
             a = _mm512_dpbf16_ps(a, (__m512bh)qv[i],
