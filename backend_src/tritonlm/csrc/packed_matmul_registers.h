@@ -15,6 +15,15 @@ struct Int4Pair {
   uint8_t bits;
 };
 
+// Lane t of the result: the sum of v[t]'s 8 lanes (t < 8). Both builds: the AVX512-BF16 decode
+// attention reduces in 256-bit registers too (paged_decode_attention.cpp).
+inline __m256 reduce_lanes_256(const __m256* v) {
+  // per 128-bit half: [v0 0-3, v1 0-3, v2 0-3, v3 0-3] (low), the same of 4-7 (high)
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
 // The registers a tile computes in, as this build targets them: AVX512 (16 float32 lanes) or AVX2
 // + FMA (8). The tiling, the task schedule and the epilogue are written once over these; only the
 // width differs.
@@ -130,12 +139,7 @@ struct Avx2 {
     odd = _mm256_loadu_ps(w + kLanes);
   }
   // Lane t of the result: the sum of v[t]'s lanes.
-  static F reduce_lanes(const F (&v)[kLanes]) {
-    // per 128-bit half: [v0 0-3, v1 0-3, v2 0-3, v3 0-3] (low), the same of 4-7 (high)
-    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-  }
+  static F reduce_lanes(const F (&v)[kLanes]) { return reduce_lanes_256(v); }
   static void int32_octets(const __m256i (&sums)[4], F (&out)[4]) {
     for (int v = 0; v < 4; ++v) out[v] = _mm256_cvtepi32_ps(sums[v]);
   }
