@@ -30,27 +30,41 @@ inline void prefetch_first_blocks(const void* key_cache, const void* value_cache
   }
 }
 
-// The row of the block read kAhead after block j of blocks [first, last] (rows): past the last,
-// one of the first blocks of next_rows (the kv head the thread attends next; null: none); or -1.
-inline int64_t ahead_row(const int64_t* rows, const int64_t* next_rows, int64_t j, int64_t first,
-                         int64_t last) {
-  if (j + kAhead <= last) return rows[j + kAhead];
-  const int64_t ahead = j + kAhead - (last - first + 1);
-  return next_rows != nullptr && ahead <= last ? next_rows[ahead] : -1;
+// The K and V rows of the block read kAhead after block j of blocks [first, last] (rows): past
+// the last, one of the first blocks of next_rows (the kv head the thread attends next; null:
+// none); or nulls.
+template <typename T>
+struct BlockAhead {
+  const T* k = nullptr;
+  const T* v = nullptr;
+  BlockAhead from_row(int64_t row, int64_t row_elems) const {  // its rows from `row` on
+    return k == nullptr ? BlockAhead{} : BlockAhead{k + row * row_elems, v + row * row_elems};
+  }
+};
+template <typename T>
+inline BlockAhead<T> block_ahead(const T* key_cache, const T* value_cache, const int64_t* rows,
+                                 const int64_t* next_rows, int64_t j, int64_t first, int64_t last,
+                                 int64_t block_elems) {
+  const int64_t past = j + kAhead - (last - first + 1);
+  const int64_t row = j + kAhead <= last ? rows[j + kAhead]
+                      : next_rows != nullptr && past <= last ? next_rows[past] : -1;
+  if (row < 0) return {};
+  return {key_cache + row * block_elems, value_cache + row * block_elems};
 }
 
-// Rows [i * bs / n, (i + 1) * bs / n) of the blocks of bs rows (row_bytes each) at k_ahead and
-// v_ahead (null: none): called for each of the n keys a block reads, it asks for the block ahead
-// a share at a time, where all of it at once stalled on the core's few miss buffers (30 layers,
-// 32 x ~180 keys: Zen 3's widened path 11.2 -> 7.5 ms, Zen 4's AVX512-BF16 one 9.8 -> 7.7).
-__attribute__((always_inline)) inline void prefetch_share(const void* k_ahead,
-                                                          const void* v_ahead, int64_t i,
+// Rows [i * bs / n, (i + 1) * bs / n) of the block ahead (of bs rows, row_elems each; nulls:
+// none): called for each of the n keys a block reads, it asks for the block ahead a share at a
+// time, where all of it at once stalled on the core's few miss buffers (30 layers, 32 x ~180
+// keys: Zen 3's widened path 11.2 -> 7.5 ms, Zen 4's AVX512-BF16 one 9.8 -> 7.7).
+template <typename T>
+__attribute__((always_inline)) inline void prefetch_share(const BlockAhead<T>& ahead, int64_t i,
                                                           int64_t n, int64_t bs,
-                                                          int64_t row_bytes) {
-  if (k_ahead == nullptr) return;
+                                                          int64_t row_elems) {
+  if (ahead.k == nullptr) return;
   const int64_t first = i * bs / n, rows = (i + 1) * bs / n - first;
-  prefetch_rows(static_cast<const char*>(k_ahead) + first * row_bytes, rows * row_bytes);
-  prefetch_rows(static_cast<const char*>(v_ahead) + first * row_bytes, rows * row_bytes);
+  const int64_t bytes = rows * row_elems * sizeof(T);
+  prefetch_rows(ahead.k + first * row_elems, bytes);
+  prefetch_rows(ahead.v + first * row_elems, bytes);
 }
 
 // A thread's working memory for G query heads of dim D over blocks of bs keys.

@@ -29,14 +29,14 @@ constexpr bool kWidenedHeadDim = kD > 0 && kD % (2 * kLanes) == 0;
 inline bool widened_block_size(int64_t bs) { return bs % kLanes == 0; }
 
 // parts[g][t] = the lanes of q_g . k_t (q split and scaled in qs [G][chunks][even, odd][lanes])
-// for the kLanes keys from k, heads g < GT; asks for the same rows of K and V at k_ahead and
-// v_ahead (or null: prefetch_share).
+// for the kLanes keys from k, heads g < GT; asks for the same rows of the block ahead
+// (prefetch_share).
 template <int GT, int kD>
-inline void key_dots(const float* qs, const uint16_t* k, float* parts, const uint16_t* k_ahead,
-                     const uint16_t* v_ahead) {
+inline void key_dots(const float* qs, const uint16_t* k, float* parts,
+                     const BlockAhead<uint16_t>& ahead) {
   constexpr int C = kD / (2 * kLanes);
   for (int t = 0; t < kLanes; ++t) {
-    prefetch_share(k_ahead, v_ahead, t, kLanes, kLanes, kD * 2);
+    prefetch_share(ahead, t, kLanes, kLanes, kD);
     Isa::F a[GT];
     for (int g = 0; g < GT; ++g) a[g] = Isa::zero();
     for (int c = 0; c < C; ++c) {
@@ -140,9 +140,9 @@ void attend_widened(const c10::BFloat16* q_, const c10::BFloat16* key_cache_,
 
   prefetch_first_blocks(key_cache, value_cache, rows, first_block, last_block, block_elems * 2);
   for (int64_t j = first_block; j <= last_block; ++j) {
-    const int64_t ahead = ahead_row(rows, next_rows, j, first_block, last_block);
-    const uint16_t* k_ahead = ahead < 0 ? nullptr : key_cache + ahead * block_elems;
-    const uint16_t* v_ahead = ahead < 0 ? nullptr : value_cache + ahead * block_elems;
+    const auto ahead =
+        block_ahead(key_cache, value_cache, rows, next_rows, j, first_block, last_block,
+                    block_elems);
     const uint16_t* k = key_cache + rows[j] * block_elems;
     const uint16_t* v = value_cache + rows[j] * block_elems;
     const int64_t base = j * bs;
@@ -157,10 +157,8 @@ void attend_widened(const c10::BFloat16* q_, const c10::BFloat16* key_cache_,
       const Vec valid = (key >= Vec(static_cast<float>(lo))) & (key < Vec(static_cast<float>(hi)));
       head_tiles(G, [&](auto tile, int64_t g0) {
         constexpr int GT = decltype(tile)::value;
-        const bool first_tile = g0 == 0 && k_ahead != nullptr;
         key_dots<GT, kD>(qs + g0 * kD, k + t0 * kD, s.parts.data(),
-                         first_tile ? k_ahead + t0 * kD : nullptr,
-                         first_tile ? v_ahead + t0 * kD : nullptr);
+                         g0 == 0 ? ahead.from_row(t0, kD) : BlockAhead<uint16_t>{});
         for (int g = 0; g < GT; ++g) {
           Isa::F part[kLanes];
           for (int t = 0; t < kLanes; ++t)

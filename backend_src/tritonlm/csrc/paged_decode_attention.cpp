@@ -174,9 +174,9 @@ void attend_group_bf16(const c10::BFloat16* q_, const c10::BFloat16* key_cache_,
 
   prefetch_first_blocks(key_cache, value_cache, rows, first_block, last_block, block_elems * 2);
   for (int64_t j = first_block; j <= last_block; ++j) {
-    const int64_t ahead = ahead_row(rows, next_rows, j, first_block, last_block);
-    const uint16_t* k_ahead = ahead < 0 ? nullptr : key_cache + ahead * block_elems;
-    const uint16_t* v_ahead = ahead < 0 ? nullptr : value_cache + ahead * block_elems;
+    const auto ahead =
+        block_ahead(key_cache, value_cache, rows, next_rows, j, first_block, last_block,
+                    block_elems);
     for (int64_t c = 0; c < bs; c += 16) {
       const int64_t base = j * bs + c;
       const int lo = static_cast<int>(std::max<int64_t>(first_key - base, 0));
@@ -193,7 +193,7 @@ void attend_group_bf16(const c10::BFloat16* q_, const c10::BFloat16* key_cache_,
           qv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * kD + i * 16));
         __m256 part[16];
         for (int t = 0; t < 16; ++t) {  // all 16 rows: the invalid lanes are replaced below
-          if (g == 0) prefetch_share(k_ahead, v_ahead, c + t, bs, bs, kD * 2);
+          if (g == 0) prefetch_share(ahead, c + t, bs, bs, kD);
           __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
           for (int i = 0; i < QH; i += 2) {
             a = _mm256_dpbf16_ps(a, (__m256bh)qv[i], (__m256bh)_mm256_loadu_si256(
@@ -276,9 +276,9 @@ void attend_group(const T* q, const T* key_cache, const T* value_cache, const in
   prefetch_first_blocks(key_cache, value_cache, rows, first_block, last_block,
                         block_elems * sizeof(T));
   for (int64_t j = first_block; j <= last_block; ++j) {
-    const int64_t ahead = ahead_row(rows, next_rows, j, first_block, last_block);
-    const T* k_ahead = ahead < 0 ? nullptr : key_cache + ahead * block_elems;
-    const T* v_ahead = ahead < 0 ? nullptr : value_cache + ahead * block_elems;
+    const auto ahead =
+        block_ahead(key_cache, value_cache, rows, next_rows, j, first_block, last_block,
+                    block_elems);
     const int64_t base = j * bs;
     const int t0 = static_cast<int>(std::max<int64_t>(first_key - base, 0));
     const int t1 = static_cast<int>(std::min<int64_t>(context - base, bs));
@@ -296,7 +296,7 @@ void attend_group(const T* q, const T* key_cache, const T* value_cache, const in
     }
     // Scores [G, n], each K row loaded once for the G heads.
     for (int t = 0; t < n; ++t) {
-      prefetch_share(k_ahead, v_ahead, t, n, bs, D * sizeof(T));
+      prefetch_share(ahead, t, n, bs, D);
       const float* k = kf + static_cast<int64_t>(t) * D;
       for (int64_t g = 0; g < G; ++g) s.scores[g * bs + t] = dot<kD>(qf + g * D, k, D);
     }
