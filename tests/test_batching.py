@@ -32,7 +32,7 @@ def test_sixteen_prompts_together_equal_one_at_a_time(smollm2_llm, prompts, one_
 
 def test_preemption_under_a_tiny_kv_cache_keeps_results(smollm2_repo, prompts, one_at_a_time,
                                                         caplog):
-    llm = LLM(str(smollm2_repo), num_kv_blocks=24, block_size=16)
+    llm = LLM(str(smollm2_repo), num_kv_blocks=24, block_size=16, admission_headroom_blocks=0)
     with caplog.at_level("WARNING"):
         outputs = llm.generate(prompts, PARAMS)
     assert llm.engine.scheduler.num_preemptions > 0

@@ -36,7 +36,7 @@ def test_t5_under_preemption_and_parallel_sampling(tmp_path, smollm2_tokenizer):
     config = tiny_t5_config(smollm2_tokenizer)
     llm, hf, prompts = assert_matches_transformers(
         tmp_path, T5ForConditionalGeneration, config, smollm2_tokenizer, num_prompts=6,
-        num_kv_blocks=24)
+        num_kv_blocks=24, admission_headroom_blocks=0)
     assert llm.engine.scheduler.num_preemptions > 0
     sampled = dict(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     out, = llm.generate([prompts[0]], SamplingParams(n=3, **sampled))

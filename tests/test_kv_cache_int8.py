@@ -138,7 +138,8 @@ def test_batched_preempted_and_alone_give_the_same_tokens(smollm2_repo, chat_pro
     llm = LLM(str(smollm2_repo), kv_cache_dtype="int8")
     alone = [llm.generate([p], params)[0].token_ids for p in chat_prompts]
     assert [o.token_ids for o in llm.generate(chat_prompts, params)] == alone
-    tiny = LLM(str(smollm2_repo), kv_cache_dtype="int8", num_kv_blocks=8, block_size=16)
+    tiny = LLM(str(smollm2_repo), kv_cache_dtype="int8", num_kv_blocks=8, block_size=16,
+               admission_headroom_blocks=0)
     assert [o.token_ids for o in tiny.generate(chat_prompts, params)] == alone
     assert tiny.engine.scheduler.num_preemptions > 0
 
@@ -177,7 +178,8 @@ def test_t5_cross_attention_and_preemption(tmp_path, smollm2_tokenizer):
     repo = str(convert(str(tmp_path / "hf"), tmp_path / "repo", dtype="float32"))
     prompts = random_prompts(6, config.vocab_size)
     reference = LLM(repo, block_size=8).generate(prompts, GREEDY)
-    tiny = LLM(repo, block_size=8, num_kv_blocks=16, kv_cache_dtype="int8")
+    tiny = LLM(repo, block_size=8, num_kv_blocks=16, kv_cache_dtype="int8",
+               admission_headroom_blocks=0)
     quantized = tiny.generate(prompts, GREEDY)
     assert tiny.engine.scheduler.num_preemptions > 0
     # Tokens until each output's first difference (the texts go different ways after it).

@@ -3,6 +3,7 @@ import sys
 
 import pytest
 
+from tritonlm.config import EngineConfig
 from tritonlm.engine.block_manager import BlockManager
 from tritonlm.engine.scheduler import Scheduler
 from tritonlm.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -18,9 +19,11 @@ def make_seq(seq_id, prompt_len, max_tokens=100, **params):
                     max_total_tokens=prompt_len + max_tokens)
 
 
-def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, prefix_caching=False):
+def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, prefix_caching=False,
+                   headroom_blocks=EngineConfig.admission_headroom_blocks):
     bm = BlockManager(num_blocks, block_size, prefix_caching)
-    return Scheduler(bm, max_num_seqs, budget, frozenset({EOS})), bm
+    return Scheduler(bm, max_num_seqs, budget, frozenset({EOS}),
+                     headroom_blocks=headroom_blocks), bm
 
 
 def run_step(sched, token=7):
@@ -109,7 +112,7 @@ def test_token_budget_chunks_long_prompts():
 
 
 def test_preemption_evicts_the_most_recent_and_recomputes_it_later():
-    sched, bm = make_scheduler(num_blocks=4, block_size=4)
+    sched, bm = make_scheduler(num_blocks=4, block_size=4, headroom_blocks=0)
     a, b = make_seq(0, 8), make_seq(1, 8)
     sched.add(a)
     sched.add(b)
@@ -125,6 +128,24 @@ def test_preemption_evicts_the_most_recent_and_recomputes_it_later():
     chunk, = plan.chunks
     assert chunk.seq_id == 1 and len(chunk.token_ids) == 9 and chunk.start_pos == 0
     assert b.num_output_tokens == 2
+
+
+def test_a_request_waits_while_the_running_ones_lack_room_to_grow():
+    sched, bm = make_scheduler(num_blocks=4, block_size=4)
+    a, b = make_seq(0, 8, max_tokens=3), make_seq(1, 8, max_tokens=3)
+    sched.add(a)
+    sched.add(b)
+    plan = run_step(sched)  # b's prompt would fit, but then a could not grow
+    assert [c.seq_id for c in plan.chunks] == [0] and sched.waiting[0] is b
+    assert sched.blocked_by_cache
+    while not a.is_finished:
+        assert [c.seq_id for c in run_step(sched).chunks] == [0]
+    plan = run_step(sched)  # nothing runs: b starts
+    assert [(c.seq_id, len(c.token_ids)) for c in plan.chunks] == [(1, 8)]
+    while not b.is_finished:
+        run_step(sched)
+    assert a.num_output_tokens == b.num_output_tokens == 3 and sched.num_preemptions == 0
+    assert bm.num_free_blocks == 4
 
 
 def test_a_sequence_larger_than_the_cache_finishes_with_length():
@@ -214,7 +235,8 @@ def _hashes(tokens, block_size):
 
 
 def test_eviction_never_touches_referenced_blocks():
-    sched, bm = make_scheduler(num_blocks=12, block_size=4, prefix_caching=True, budget=16)
+    sched, bm = make_scheduler(num_blocks=12, block_size=4, prefix_caching=True, budget=16,
+                               headroom_blocks=0)
     import random
     rng = random.Random(0)
     seq_id = 0

@@ -33,6 +33,9 @@ class EngineConfig:
     quantized_activations: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # KV blocks of output kept free for each running sequence before a waiting request starts
+    # (Scheduler._blocks_to_come; 0: whenever its prompt fits, as in vLLM)
+    admission_headroom_blocks: int = 2
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
     # A streamed request gets its first tokens at once, then a response per this many new tokens
@@ -100,6 +103,9 @@ class EngineConfig:
             raise ValueError(f"watermark_gamma must be in (0, 1), got {self.watermark_gamma}")
         if not self.watermark_delta > 0:
             raise ValueError(f"watermark_delta must be > 0, got {self.watermark_delta}")
+        if self.admission_headroom_blocks < 0:
+            raise ValueError(f"admission_headroom_blocks must be >= 0, "
+                             f"got {self.admission_headroom_blocks}")
         if self.num_scheduler_steps is not None and self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         self._check_speculative()

@@ -89,7 +89,7 @@ class LLMEngine:
                                    self.runner.max_decode_run,
                                    make_proposer(self.config, model_dir, self.tokenizer),
                                    self.config.speculative_disable_by_batch_size,
-                                   self.config.max_loras)
+                                   self.config.max_loras, self.config.admission_headroom_blocks)
         # The model's recommended sampling keys, for requests that leave them unset.
         self.sampling_defaults = sampling_defaults(generation_config)
         if self.sampling_defaults:

@@ -11,12 +11,16 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, eos_token_ids: frozenset[int],
                  max_decode_run: int = 1, proposer: Proposer | None = None,
-                 max_speculating_batch: int = 0, max_loras: int = 1):
+                 max_speculating_batch: int = 0, max_loras: int = 1,
+                 headroom_blocks: int = 0):
         """`max_decode_run`: the most decode steps one plan may ask for in a row (StepPlan.
         num_steps); 1 where the runner cannot chain them. `proposer`: drafts for speculative
         decoding while fewer than `max_speculating_batch` sequences run. `max_loras`: distinct
-        adapters the running batch may use; a request of another waits."""
+        adapters the running batch may use; a request of another waits. `headroom_blocks`: blocks
+        of output kept free for each running sequence before a waiting one starts (see
+        _blocks_to_come)."""
         self.block_manager = block_manager
+        self.headroom_blocks = headroom_blocks
         self.max_decode_run = max_decode_run
         self.proposer, self.max_speculating_batch = proposer, max_speculating_batch
         self.max_num_seqs = max_num_seqs
@@ -78,6 +82,7 @@ class Scheduler:
                          for h in self.block_manager.pending_block_hashes(s)} \
                 if self.waiting else set()
             adapters = {s.lora_id for s in self.running} - {0}
+            headroom = sum(self._blocks_to_come(s) for s in self.running) if self.waiting else 0
             passed: list[Sequence] = []  # of adapters the batch has no room for: they wait
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
@@ -94,7 +99,8 @@ class Scheduler:
                     self._release(seq)
                     break
                 num_new = min(seq.num_uncomputed_tokens, max(budget - encoding, 1))
-                if not self.block_manager.can_grow(seq, num_new):
+                if not (self._blocks_to_come(seq) + headroom <= self.block_manager.num_free_blocks
+                        if self.running else self.block_manager.can_grow(seq, num_new)):
                     self._release(seq)  # looked up again when it is admitted
                     self.blocked_by_cache = True
                     break
@@ -108,6 +114,7 @@ class Scheduler:
                 if seq.lora_id:
                     adapters.add(seq.lora_id)
                 budget -= encoding + self._schedule_chunk(seq, num_new, plan, admitted=True)
+                headroom += self._blocks_to_come(seq)
             self.waiting.extendleft(reversed(passed))
         if plan.is_empty:  # the runner sees finished sequences with the next real step
             self._finished_ids = plan.finished_seq_ids
@@ -182,6 +189,18 @@ class Scheduler:
             if victim is seq:
                 return False
         return True
+
+    def _blocks_to_come(self, seq: Sequence) -> int:
+        """The blocks `seq` still lacks for its uncomputed tokens and `headroom_blocks` blocks of
+        output beyond them (fewer near its token limit). While sequences run, a waiting one
+        starts only if the free blocks hold this for it and for each of them: starting whatever
+        fits now (vLLM's rule) leaves a full cache no room to grow, and each preemption throws
+        away a prompt's KV to recompute. SmolLM2, 256 requests of 32..512 tokens in and out,
+        1 GiB cache (Zen 4): 103 preemptions, 18% more tokens run; with 2 blocks none, and 1.1x
+        the throughput (1 block: 7 preemptions)."""
+        growth = min(self.headroom_blocks * self.block_manager.block_size,
+                     seq.max_total_tokens - seq.num_tokens)
+        return self.block_manager.num_missing_blocks(seq, seq.num_uncomputed_tokens + growth)
 
     def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
