@@ -123,6 +123,16 @@ inline FloatRows float_rows(const at::Tensor& x) {
   return {rows, k};
 }
 
+// Tasks per grab for tasks of several row tiles (bound by compute, not by the weights' stream):
+// kTasksPerGrab, or fewer where that shares the grabs out evenly over the threads. 18 blocks on
+// 2 threads ran 10 and 8 in grabs of 4, run 9 and 9 in grabs of 3 (Zen 4, 32 rows: SmolLM2's 30
+// layers 2% faster; at 1-4 rows, one tile a task, grabs of 3 were 1% slower).
+inline int64_t even_grab(int64_t tasks, int threads) {
+  for (int64_t grab = kTasksPerGrab; grab > 1; --grab)
+    if (tasks % (grab * threads) == 0) return grab;
+  return kTasksPerGrab;
+}
+
 // xs: x [m, 2 * pairs] as Mul multiplies it, rows x_stride apart; the packed weight, how to
 // dequantize it, the bias or null, out [m, out_cols].
 template <typename Mul, typename O>
@@ -191,9 +201,10 @@ void run_tasks(const typename Mul::X* xs, int64_t x_stride, const typename Mul::
   // did.)
   const int64_t tasks = s.blocks * chunks;
   const int threads = region_threads(tasks);
+  const int64_t grab = m > kTileRows<Mul> ? even_grab(tasks, threads) : kTasksPerGrab;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-#pragma omp for schedule(dynamic, kTasksPerGrab)
+#pragma omp for schedule(dynamic, grab)
     for (int64_t task = 0; task < tasks; ++task) run_task(task);
   }
 }
