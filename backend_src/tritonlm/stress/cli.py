@@ -36,8 +36,10 @@ PROMPT_TOKENS = (16, 64)
 def engine_settings(args) -> dict:
     if args.scenario == "kv-pressure":
         blocks = math.ceil((PROMPT_TOKENS[1] + args.output_len) / BLOCK_SIZE)
+        # Requests start whenever their prompts fit (no headroom kept for output), so that the
+        # running ones preempt each other: the scenario is there to exercise preemption.
         return {"block_size": BLOCK_SIZE, "num_kv_blocks": args.kv_sequences * blocks,
-                "max_concurrent_requests": max(128, args.streams)}
+                "max_concurrent_requests": max(128, args.streams), "admission_headroom_blocks": 0}
     if args.scenario == "overload":
         return {"max_concurrent_requests": args.capacity}
     return {}
