@@ -148,6 +148,20 @@ def test_a_request_waits_while_the_running_ones_lack_room_to_grow():
     assert bm.num_free_blocks == 4
 
 
+def test_the_headroom_kept_stops_at_each_sequence_token_limit():
+    sched, bm = make_scheduler(num_blocks=6, block_size=4)
+    a, b = make_seq(0, 8, max_tokens=4), make_seq(1, 4, max_tokens=4)
+    sched.add(a)
+    sched.add(b)
+    # a can still use one block more, b two in all: both fit in the six (2 blocks of headroom
+    # each regardless of their limits would have kept b waiting)
+    plan = run_step(sched)
+    assert [c.seq_id for c in plan.chunks] == [0, 1]
+    while not (a.is_finished and b.is_finished):
+        run_step(sched)
+    assert sched.num_preemptions == 0 and bm.num_free_blocks == 6
+
+
 def test_a_sequence_larger_than_the_cache_finishes_with_length():
     sched, bm = make_scheduler(num_blocks=2, block_size=4)
     seq = make_seq(0, 7)
