@@ -82,7 +82,9 @@ class Scheduler:
                          for h in self.block_manager.pending_block_hashes(s)} \
                 if self.waiting else set()
             adapters = {s.lora_id for s in self.running} - {0}
-            headroom = sum(self._blocks_to_come(s) for s in self.running) if self.waiting else 0
+            # (not summed while a full batch keeps every waiting request out)
+            headroom = (sum(self._blocks_to_come(s) for s in self.running)
+                        if self.waiting and len(self.running) < self.max_num_seqs else 0)
             passed: list[Sequence] = []  # of adapters the batch has no room for: they wait
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
