@@ -241,6 +241,10 @@ def test_bad_inputs_are_refused_clearly(kernels):
         kernels.rms_norm(x, torch.randn(8), 1e-6, torch.randn(4, 9), False)
     with pytest.raises(RuntimeError, match="contiguous features"):
         kernels.rms_norm(torch.randn(8, 4).t(), torch.randn(8), 1e-6, None, False)
+    with pytest.raises(RuntimeError, match=r"out must be a contiguous CPU \[4, 8\] of Float"):
+        kernels.rms_norm(x, torch.randn(8), 1e-6, None, False, out=torch.empty(4, 9))
+    with pytest.raises(RuntimeError, match="out must be"):
+        kernels.act_and_mul(x, 0, out=torch.empty(4, 4, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="even count"):
         kernels.act_and_mul(torch.randn(4, 7), 0)
     with pytest.raises(RuntimeError, match="activation must be"):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from family_check import assert_matches_transformers, random_prompts, reference_greedy
+from test_quantized_matmul import storage
 from tritonlm import SamplingParams
 from tritonlm.engine import decode_graphs
 from tritonlm.engine.op_programs import ProgramRecorder, RecordingRefused
@@ -69,6 +70,60 @@ def test_replay_redoes_the_step_on_new_inputs():
         assert torch.equal(out, expected)
         for name in state:
             assert torch.equal(state[name], expected_state[name]), name
+
+
+class CapturingProgram:
+    """An OpProgram that also keeps what each recorded op was given and returned."""
+
+    def __init__(self):
+        self.program, self.calls = KERNELS.OpProgram(), {}
+
+    def add(self, name, overload, args, kwargs, results):
+        self.calls.setdefault(name.split("::")[-1], []).append((kwargs, results))
+        self.program.add(name, overload, args, kwargs, results)
+
+
+def kernel_state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(3, 64, generator=g).bfloat16(),
+            "norm": (torch.rand(64, generator=g) + 0.5).bfloat16(),
+            "keys": torch.randn(4, 4, 16, generator=g).bfloat16(),
+            "values": torch.randn(4, 4, 16, generator=g).bfloat16(),
+            "rows": torch.randperm(4, generator=g)[:2].repeat(3, 1, 1),
+            "context": torch.randint(1, 9, (3,), generator=g)}
+
+
+def kernel_step(s: dict[str, torch.Tensor], gated, quantized) -> torch.Tensor:
+    """Each of our ops that returns a new tensor: norm, bf16 and int4 matmuls, activation,
+    decode attention."""
+    normed = KERNELS.rms_norm(s["x"], s["norm"], 1e-5)
+    hidden = KERNELS.act_and_mul(gated.matmul(normed, None), 0)  # [3, 224]
+    q = quantized.matmul(hidden, None).view(3, 5, 16)
+    return KERNELS.decode_attention(q, s["keys"], s["values"], s["rows"], s["context"], 0.25)
+
+
+@torch.inference_mode()
+def test_our_kernels_replay_into_the_results_they_recorded():
+    """Our ops are recorded writing into the tensor they returned (their `out`), so a replay
+    copies no result after them; replays still redo the step on new inputs."""
+    gated = cpu_gemm.PairBlockWeight(torch.randn(448, 64).bfloat16(), KERNELS, gated=True)
+    quantized = storage(4, 32)  # [80, 224] int4, groups of 32
+    state = kernel_state(0)
+    kernel_step(state, gated, quantized)  # packs the int4 weight (its first matmul does)
+    program = CapturingProgram()
+    with ProgramRecorder(program):
+        out = kernel_step(state, gated, quantized)
+    for name in ("rms_norm", "bf16_matmul", "act_and_mul", "quantized_matmul",
+                 "decode_attention"):
+        [(kwargs, results)] = program.calls[name]
+        assert kwargs["out"] is results[0], name
+    for seed in (1, 2):
+        inputs = kernel_state(seed)
+        expected = kernel_step(inputs, gated, quantized)
+        for name, tensor in inputs.items():
+            state[name].copy_(tensor)
+        program.program.replay()
+        assert torch.equal(out, expected)
 
 
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),

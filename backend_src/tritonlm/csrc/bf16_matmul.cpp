@@ -36,11 +36,12 @@ double issue_rate(Step step) {
 
 }  // namespace
 
-at::Tensor act_and_mul(const at::Tensor& x, int64_t activation);  // fused_ops.cpp
+at::Tensor act_and_mul(const at::Tensor& x, int64_t activation,
+                       const std::optional<at::Tensor>& out);  // fused_ops.cpp
 
 at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        bool gated, const std::optional<at::Tensor>& bias, int64_t activation,
-                       bool widen, int64_t sgemm_rows) {
+                       bool widen, int64_t sgemm_rows, const std::optional<at::Tensor>& out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "bf16_matmul: x must be [M, K] bfloat16 with contiguous features");
   const int64_t m = x.size(0), k = x.size(1);
@@ -67,21 +68,21 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t ou
     // as they go: the weight widened once, rounded to bfloat16 as the tiles' output is.
     using Wide = WidenedFma<Native, uint16_t>;
     const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-    auto out = sgemm_matmul(x, dense_weight<Wide>(ws, packed.size(1), {}, shape, k), bias);
-    return activation < 0 ? out : act_and_mul(out, activation);
+    const auto y = sgemm_matmul(x, dense_weight<Wide>(ws, packed.size(1), {}, shape, k), bias);
+    return activation < 0 ? into_result(out, y, "bf16_matmul: ") : act_and_mul(y, activation, out);
   }
-  auto out = at::empty({m, out_cols}, x.options());
-  if (m == 0) return out;
+  auto result = result_tensor(out, {m, out_cols}, x.options(), "bf16_matmul: ");
+  if (m == 0) return result;
   // An odd last feature pairs with the packing's zero padding.
   const at::Tensor even = k % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
   const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const auto* bs = bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
-  auto* os = reinterpret_cast<uint16_t*>(out.data_ptr());
+  auto* os = reinterpret_cast<uint16_t*>(result.data_ptr());
   if (widen) {
     const FloatRows rows = float_rows(even);
     run_tasks<WidenedFma<Native, uint16_t>>(rows.data, rows.stride, ws, packed.size(1), {}, bs,
                                             os, shape, activation);
-    return out;
+    return result;
   }
 #ifdef __AVX512BF16__
   run_tasks<DotProducts>(reinterpret_cast<const uint16_t*>(even.data_ptr()), even.stride(0), ws,
@@ -89,7 +90,7 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t ou
 #else
   TORCH_CHECK(false, "bf16_matmul: this build has no AVX512-BF16 dot products (widen=True runs)");
 #endif
-  return out;
+  return result;
 }
 
 double bf16_dot_product_speedup() {
@@ -114,7 +115,8 @@ double bf16_dot_product_speedup() {
 
 namespace tritonlm {
 at::Tensor bf16_matmul(const at::Tensor&, const at::Tensor&, int64_t, bool,
-                       const std::optional<at::Tensor>&, int64_t, bool, int64_t) {
+                       const std::optional<at::Tensor>&, int64_t, bool, int64_t,
+                       const std::optional<at::Tensor>&) {
   TORCH_CHECK(false, "bf16_matmul: built for a CPU without AVX2 + FMA");
 }
 double bf16_dot_product_speedup() { return 0; }

@@ -10,7 +10,8 @@ namespace tritonlm {
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_rows,
                             const at::Tensor& context_lens, double scale,
-                            const std::optional<at::Tensor>& alibi_slopes, int64_t window);
+                            const std::optional<at::Tensor>& alibi_slopes, int64_t window,
+                            const std::optional<at::Tensor>& out);
 void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
                        const at::Tensor& value_cache, const at::Tensor& block_rows,
                        const at::Tensor& query_starts, const at::Tensor& query_lens,
@@ -18,21 +19,24 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
                        const std::optional<at::Tensor>& alibi_slopes, int64_t window,
                        at::Tensor& out);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
-                    const std::optional<at::Tensor>& residual, bool offset);
-at::Tensor act_and_mul(const at::Tensor& x, int64_t activation);
+                    const std::optional<at::Tensor>& residual, bool offset,
+                    const std::optional<at::Tensor>& out);
+at::Tensor act_and_mul(const at::Tensor& x, int64_t activation,
+                       const std::optional<at::Tensor>& out);
 void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits);
 void write_kv_(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& k,
                const at::Tensor& v, const at::Tensor& rows);
 at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        bool gated, const std::optional<at::Tensor>& bias, int64_t activation,
-                       bool widen, int64_t sgemm_rows);
+                       bool widen, int64_t sgemm_rows, const std::optional<at::Tensor>& out);
 int64_t vector_lanes();
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const std::optional<at::Tensor>& row_scales,
                             const std::optional<at::Tensor>& groups, int64_t group_size,
                             int64_t out_features, const std::optional<at::Tensor>& bias,
-                            int64_t sgemm_rows, int64_t int8_rows);
+                            int64_t sgemm_rows, int64_t int8_rows,
+                            const std::optional<at::Tensor>& out);
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a_t, const at::Tensor& b,
                const at::Tensor& rows, const at::Tensor& counts, const at::Tensor& part_cols);
 double bf16_dot_product_speedup();
@@ -48,10 +52,13 @@ bool has_vnni_dot_products();
 #define TRITONLM_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
 
 TRITONLM_LIBRARY(TORCH_EXTENSION_NAME, m) {
+  // An op with `out` returns its result there when given (the tensor its op-program recording
+  // returned, engine/op_programs.py), else in a fresh tensor.
   // Paged decode attention: q [B, Hq, D], caches [R, bs, D], block_rows [B, Hkv, nb] int64,
   // context_lens [B] int64 -> [B, Hq, D].
   m.def("decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_rows, "
-        "Tensor context_lens, float scale, Tensor? alibi_slopes=None, int window=0) -> Tensor");
+        "Tensor context_lens, float scale, Tensor? alibi_slopes=None, int window=0, "
+        "Tensor(a!)? out=None) -> Tensor");
   // Paged causal attention for rows of several queries: row b's query_lens[b] queries are
   // q[query_starts[b]:][:query_lens[b]] at the last positions of its context_lens[b] keys;
   // writes out (like q) at those tokens.
@@ -61,9 +68,9 @@ TRITONLM_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // RMSNorm of x [T, H] (of residual += x when residual is given, updated in place) -> [T, H];
   // offset: Gemma's (1 + weight) scaling.
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual=None, "
-        "bool offset=False) -> Tensor");
+        "bool offset=False, Tensor(b!)? out=None) -> Tensor");
   // act(gate) * up for x [T, 2I] = [gate | up] -> [T, I]; activation 0 silu, 1 gelu (tanh).
-  m.def("act_and_mul(Tensor x, int activation) -> Tensor");
+  m.def("act_and_mul(Tensor x, int activation, Tensor(a!)? out=None) -> Tensor");
   // Rotates the first rotary_dim features of x [T, H, D] in place (rotate-half); cos, sin
   // [T, rotary_dim].
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
@@ -80,7 +87,8 @@ TRITONLM_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // sgemm_rows rows (0: never) the weight widened whole and multiplied by float32 sgemm; needs
   // AVX2 + FMA (has_bf16_matmul).
   m.def("bf16_matmul(Tensor x, Tensor packed, int out_features, bool gated=False, "
-        "Tensor? bias=None, int activation=-1, bool widen=False, int sgemm_rows=0) -> Tensor");
+        "Tensor? bias=None, int activation=-1, bool widen=False, int sgemm_rows=0, "
+        "Tensor(a!)? out=None) -> Tensor");
   // x [M, K] float32 or bfloat16 @ a quantized weight [N, K] + bias [N] of x's dtype -> [M, N]
   // of x's dtype. The weight packed as bf16_matmul's: int8 [blocks, ceil(K/2), 32, 2] or 4-bit
   // pairs uint8 [blocks, ceil(K/2), 32] (even k in the low nibble); dequantized by row_scales
@@ -91,7 +99,7 @@ TRITONLM_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // group (w4a8); needs AVX2 + FMA (has_bf16_matmul).
   m.def("quantized_matmul(Tensor x, Tensor packed, Tensor? row_scales, Tensor? groups, "
         "int group_size, int out_features, Tensor? bias=None, int sgemm_rows=0, "
-        "int int8_rows=0) -> Tensor");
+        "int int8_rows=0, Tensor(a!)? out=None) -> Tensor");
   // y [T, out] += the LoRA update of x [T, in] (y's dtype) by a_t [slots, in, R] and b [slots,
   // R, out] (float32), in float32: slot s for the tokens rows[s, :counts[s]] (int64); B's rank
   // rows of part p (R / parts each) reach only y's columns part_cols[p]..part_cols[p + 1].

@@ -158,7 +158,8 @@ void argmax_logsumexp_rows(const at::Tensor& logits, int64_t* tokens, float* lse
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
-                    const std::optional<at::Tensor>& residual, bool offset) {
+                    const std::optional<at::Tensor>& residual, bool offset,
+                    const std::optional<at::Tensor>& out) {
   const char* name = "rms_norm: ";
   check_rows(x, name, "x");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
@@ -172,30 +173,31 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                 name, "residual must match x (", x.scalar_type(), " ", x.sizes(), "), got ",
                 residual->scalar_type(), " ", residual->sizes());
   }
-  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor result = result_tensor(out, x.sizes(), x.options(), name);
   dispatch_float_types(x.scalar_type(), name, [&](auto zero) {
     using T = decltype(zero);
     rms_norm_rows<T>(x, weight, has_residual ? residual->data_ptr<T>() : nullptr,
-                     has_residual ? residual->stride(0) : 0, out, static_cast<float>(eps),
+                     has_residual ? residual->stride(0) : 0, result, static_cast<float>(eps),
                      offset);
   });
-  return out;
+  return result;
 }
 
-at::Tensor act_and_mul(const at::Tensor& x, int64_t activation) {
+at::Tensor act_and_mul(const at::Tensor& x, int64_t activation,
+                       const std::optional<at::Tensor>& out) {
   const char* name = "act_and_mul: ";
   check_rows(x, name, "x");
   TORCH_CHECK(x.size(1) % 2 == 0, name, "x must hold gate then up features (an even count), got ",
               x.size(1));
   TORCH_CHECK(activation == 0 || activation == 1, name,
               "activation must be 0 (silu) or 1 (gelu, tanh approximation), got ", activation);
-  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  at::Tensor result = result_tensor(out, {x.size(0), x.size(1) / 2}, x.options(), name);
   dispatch_float_types(x.scalar_type(), name, [&](auto zero) {
     using T = decltype(zero);
-    if (activation == 0) act_and_mul_rows<T, 0>(x, out);
-    else act_and_mul_rows<T, 1>(x, out);
+    if (activation == 0) act_and_mul_rows<T, 0>(x, result);
+    else act_and_mul_rows<T, 1>(x, result);
   });
-  return out;
+  return result;
 }
 
 void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {

@@ -408,7 +408,8 @@ void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_rows,
                             const at::Tensor& context_lens, double scale,
-                            const std::optional<at::Tensor>& alibi_slopes, int64_t window) {
+                            const std::optional<at::Tensor>& alibi_slopes, int64_t window,
+                            const std::optional<at::Tensor>& out) {
   const char* name = "decode_attention: ";
   for (const auto* t : {&q, &key_cache, &value_cache, &block_rows, &context_lens})
     TORCH_CHECK(t->device().is_cpu(), name, "all tensors must be on the CPU");
@@ -470,22 +471,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
       }
     }
   }
-  at::Tensor out = at::empty_like(q);
-  if (B == 0 || Hq == 0) return out;
+  at::Tensor result = result_tensor(out, q.sizes(), q.options(), name);
+  if (B == 0 || Hq == 0) return result;
   switch (q.scalar_type()) {
     case at::kFloat:
       dispatch_head_dim<float>(q, key_cache, value_cache, block_rows, context_lens, scale, slopes,
-                               window, out);
+                               window, result);
       break;
     case at::kBFloat16:
       dispatch_head_dim<c10::BFloat16>(q, key_cache, value_cache, block_rows, context_lens, scale,
-                                       slopes, window, out);
+                                       slopes, window, result);
       break;
     default:
       dispatch_head_dim<c10::Half>(q, key_cache, value_cache, block_rows, context_lens, scale,
-                                   slopes, window, out);
+                                   slopes, window, result);
   }
-  return out;
+  return result;
 }
 
 }  // namespace tritonlm

@@ -99,7 +99,8 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const std::optional<at::Tensor>& row_scales,
                             const std::optional<at::Tensor>& groups, int64_t group_size,
                             int64_t out_features, const std::optional<at::Tensor>& bias,
-                            int64_t sgemm_rows, int64_t int8_rows) {
+                            int64_t sgemm_rows, int64_t int8_rows,
+                            const std::optional<at::Tensor>& out) {
   using namespace packed_matmul;
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) &&
@@ -141,25 +142,25 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                                 pairs, dequant_of(row_scales, groups, group_size, nullptr),
                                 shape, k);
     });
-    return sgemm_matmul(x, dense, bias);
+    return into_result(out, sgemm_matmul(x, dense, bias), "quantized_matmul: ");
   }
-  auto out = at::empty({m, out_features}, x.options());
-  if (m == 0) return out;
+  auto result = result_tensor(out, {m, out_features}, x.options(), "quantized_matmul: ");
+  if (m == 0) return result;
   const at::Tensor even = k % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
   if (dtype == at::kFloat)
-    run_for<float>(even, packed, int4, int8_dots, row_scales, groups, group_size, bias, out,
+    run_for<float>(even, packed, int4, int8_dots, row_scales, groups, group_size, bias, result,
                    shape);
   else
-    run_for<uint16_t>(even, packed, int4, int8_dots, row_scales, groups, group_size, bias, out,
-                      shape);
-  return out;
+    run_for<uint16_t>(even, packed, int4, int8_dots, row_scales, groups, group_size, bias,
+                      result, shape);
+  return result;
 }
 bool has_vnni_dot_products() { return packed_matmul::kVnniDots; }
 #else
 at::Tensor quantized_matmul(const at::Tensor&, const at::Tensor&,
                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                             int64_t, int64_t, const std::optional<at::Tensor>&, int64_t,
-                            int64_t) {
+                            int64_t, const std::optional<at::Tensor>&) {
   TORCH_CHECK(false, "quantized_matmul: built for a CPU without AVX2 + FMA");
 }
 bool has_vnni_dot_products() { return false; }

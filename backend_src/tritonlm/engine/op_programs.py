@@ -36,6 +36,20 @@ def _value_dependent(func, args) -> bool:
     return torch.Tag.dynamic_output_shape in func.tags
 
 
+def _result_into_out(func, args, kwargs, out) -> dict:
+    """kwargs with `out` set to the op's result where the op can write its result into an `out`
+    it was not given (our kernels: `Tensor(a!)? out=None`): its replays then write straight into
+    the recorded result, which later ops read, instead of a fresh tensor copied there."""
+    schema = func._schema
+    position = next((i for i, a in enumerate(schema.arguments)
+                     if a.name == "out" and a.alias_info is not None and a.alias_info.is_write
+                     and isinstance(a.type, torch.OptionalType)), None)
+    if (position is None or position < len(args) or kwargs.get("out") is not None
+            or not isinstance(out, torch.Tensor)):
+        return kwargs
+    return {**kwargs, "out": out}
+
+
 class RecordingRefused(RuntimeError):
     """The step did something an op program cannot replay."""
 
@@ -69,6 +83,7 @@ class ProgramRecorder(TorchDispatchMode):
             if storage and storage.data_ptr() not in inputs | self._storages:
                 self._storages.add(storage.data_ptr())
                 self.result_bytes += storage.nbytes()
+        kwargs = _result_into_out(func, args, kwargs, out)
         try:
             self.program.add(func._schema.name, func._schema.overload_name, tuple(args), kwargs,
                              [r if isinstance(r, torch.Tensor) else None for r in results]
