@@ -338,6 +338,7 @@ void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& val
   const int64_t Hkv = block_rows.size(1), nb = block_rows.size(2), bs = key_cache.size(1);
   const int64_t G = Hq / Hkv;
   const T* q_ptr = q.data_ptr<T>();
+  const int64_t q_stride = q.stride(0);  // a row's [Hq, D] lie together, rows anywhere
   const T* k_ptr = key_cache.data_ptr<T>();
   const T* v_ptr = value_cache.data_ptr<T>();
   const int64_t* rows_ptr = block_rows.data_ptr<int64_t>();
@@ -361,11 +362,11 @@ void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& val
 #ifdef TRITONLM_AVX512_BF16
       if constexpr (std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 32 == 0) {
         if (bs % 16 == 0) {
-          attend_group_bf16<kD>(q_ptr + (b * Hq + head) * D, k_ptr, v_ptr, rows_ptr + task * nb,
-                                ctx_ptr[b], slopes ? slopes + head : nullptr, window,
+          attend_group_bf16<kD>(q_ptr + b * q_stride + head * D, k_ptr, v_ptr,
+                                rows_ptr + task * nb, ctx_ptr[b],
+                                slopes ? slopes + head : nullptr, window,
                                 static_cast<float>(scale), G, bs,
-                                out_ptr + (b * Hq + head) * D, scratch,
-                                next_rows);
+                                out_ptr + (b * Hq + head) * D, scratch, next_rows);
           continue;
         }
       }
@@ -373,16 +374,18 @@ void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& val
 #ifdef TRITONLM_WIDENED_ATTENTION
       if constexpr (std::is_same_v<T, c10::BFloat16> && kWidenedHeadDim<kD>) {
         if (widened_block_size(bs)) {
-          attend_widened<kD>(q_ptr + (b * Hq + head) * D, k_ptr, v_ptr, rows_ptr + task * nb,
-                             ctx_ptr[b], slopes ? slopes + head : nullptr, window,
+          attend_widened<kD>(q_ptr + b * q_stride + head * D, k_ptr, v_ptr,
+                             rows_ptr + task * nb, ctx_ptr[b],
+                             slopes ? slopes + head : nullptr, window,
                              static_cast<float>(scale), G, bs, out_ptr + (b * Hq + head) * D,
                              scratch, next_rows);
           continue;
         }
       }
 #endif
-      attend_group<T, kD>(q_ptr + (b * Hq + head) * D, k_ptr, v_ptr, rows_ptr + task * nb,
-                          ctx_ptr[b], slopes ? slopes + head : nullptr, window,
+      attend_group<T, kD>(q_ptr + b * q_stride + head * D, k_ptr, v_ptr,
+                          rows_ptr + task * nb, ctx_ptr[b],
+                          slopes ? slopes + head : nullptr, window,
                           static_cast<float>(scale), G, D, bs, out_ptr + (b * Hq + head) * D,
                           scratch, next_rows);
     }
@@ -441,8 +444,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, name, "the query heads (", Hq,
               ") must be a multiple of the kv heads (", Hkv, ")");
   TORCH_CHECK(D > 0 && bs > 0, name, "head dim and block size must be positive");
-  for (const auto* t : {&q, &key_cache, &value_cache, &block_rows, &context_lens})
-    TORCH_CHECK(t->is_contiguous(), name, "all tensors must be contiguous");
+  for (const auto* t : {&key_cache, &value_cache, &block_rows, &context_lens})
+    TORCH_CHECK(t->is_contiguous(), name, "the caches, block_rows and context_lens must be "
+                "contiguous");
+  // q may be a view of wider rows (the query part of a fused qkv projection's output)
+  TORCH_CHECK((D == 1 || q.stride(2) == 1) && (Hq == 1 || q.stride(1) == D), name,
+              "each row of q must be a contiguous [Hq, D], got strides ", q.strides());
   TORCH_CHECK(window >= 0, name, "window must be >= 0 (0: none), got ", window);
   const float* slopes = nullptr;
   if (alibi_slopes.has_value() && alibi_slopes->defined()) {

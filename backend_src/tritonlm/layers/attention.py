@@ -121,8 +121,8 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, decode: DecodeRows) -> torch.Tensor:
         if decode.context_lens is not None:  # the kernel reads the blocks where they are
             block_size, head_dim = self.kv.key.shape[-2:]
-            return self.kernels.decode(
-                q.contiguous(), self.kv.key.view(-1, block_size, head_dim),
+            return self.kernels.decode(  # q's rows may lie apart (a fused qkv's query part)
+                q, self.kv.key.view(-1, block_size, head_dim),
                 self.kv.value.view(-1, block_size, head_dim), decode.blocks, decode.context_lens,
                 self.scale, getattr(self.position_bias, "slopes", None), self.sliding_window or 0)
         # One query per row: two batched matmuls beat SDPA's CPU kernels (bf16 most of all).
