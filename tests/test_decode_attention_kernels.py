@@ -135,12 +135,18 @@ def test_bfloat16_variants(kernel, head_dim, block_size, hq, hkv, variant):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_query_rows_may_lie_apart(kernel, dtype):
-    """q as the query part of a fused qkv projection's rows: [B, Hq, D] with rows further apart."""
+@pytest.mark.parametrize("fused", ["rows", "heads"])
+def test_query_may_be_a_view_of_fused_qkv(kernel, dtype, fused):
+    """q as the query part of a fused QKV output: rows further apart ([q | k | v] per token, read
+    in place) or heads too ([q k v] per head, as GPT-NeoX fuses them)."""
     contexts = [1, 16, 17, 70, 9, 33, 5, 48, 2]
     q, k, v, rows, ctx = make_case(len(contexts), 9, 3, 64, contexts, dtype=dtype)
-    qkv = torch.cat([q.flatten(1), torch.randn(len(contexts), 6 * 64).to(dtype)], dim=1)
-    q_view = qkv[:, :9 * 64].view(-1, 9, 64)
+    if fused == "rows":
+        qkv = torch.cat([q.flatten(1), torch.randn(len(contexts), 6 * 64).to(dtype)], dim=1)
+        q_view = qkv[:, :9 * 64].view(-1, 9, 64)
+    else:
+        qkv = torch.cat([q, torch.randn(len(contexts), 9, 128).to(dtype)], dim=2)
+        q_view = qkv[:, :, :64]
     assert not q_view.is_contiguous()
     expected = reference(q, k, v, rows, ctx, 0.125)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
@@ -233,9 +239,6 @@ def test_bad_inputs_raise_clear_errors(cpu_kernel):
         kernel.decode_attention(q, k, v, rows, ctx.int(), 0.1)
     with pytest.raises(RuntimeError, match="must have q's dtype"):
         kernel.decode_attention(q, k.bfloat16(), v, rows, ctx, 0.1)
-    with pytest.raises(RuntimeError, match=r"each row of q must be a contiguous \[Hq, D\]"):
-        kernel.decode_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, rows,
-                                ctx, 0.1)
     with pytest.raises(RuntimeError, match="the caches, block_rows and context_lens must be"):
         kernel.decode_attention(q, k, v, rows.transpose(1, 2).contiguous().transpose(1, 2),
                                 ctx, 0.1)

@@ -408,15 +408,20 @@ void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 }  // namespace
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_rows,
                             const at::Tensor& context_lens, double scale,
                             const std::optional<at::Tensor>& alibi_slopes, int64_t window,
                             const std::optional<at::Tensor>& out) {
   const char* name = "decode_attention: ";
-  for (const auto* t : {&q, &key_cache, &value_cache, &block_rows, &context_lens})
+  for (const auto* t : {&query, &key_cache, &value_cache, &block_rows, &context_lens})
     TORCH_CHECK(t->device().is_cpu(), name, "all tensors must be on the CPU");
-  TORCH_CHECK(q.dim() == 3, name, "q must be [B, Hq, D], got ", q.sizes());
+  TORCH_CHECK(query.dim() == 3, name, "q must be [B, Hq, D], got ", query.sizes());
+  // q's rows may lie apart (the query part of a fused QKV output, read in place); heads apart
+  // within a row (QKV interleaved per head, as GPT-NeoX and BLOOM fuse it) are copied together.
+  const bool rows_in_place = (query.size(2) == 1 || query.stride(2) == 1) &&
+                             (query.size(1) == 1 || query.stride(1) == query.size(2));
+  const at::Tensor q = rows_in_place ? query : query.contiguous();
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 ||
                   q.scalar_type() == at::kHalf,
               name, "q must be float32, bfloat16 or float16, got ", q.scalar_type());
@@ -447,9 +452,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
   for (const auto* t : {&key_cache, &value_cache, &block_rows, &context_lens})
     TORCH_CHECK(t->is_contiguous(), name, "the caches, block_rows and context_lens must be "
                 "contiguous");
-  // q may be a view of wider rows (the query part of a fused qkv projection's output)
-  TORCH_CHECK((D == 1 || q.stride(2) == 1) && (Hq == 1 || q.stride(1) == D), name,
-              "each row of q must be a contiguous [Hq, D], got strides ", q.strides());
   TORCH_CHECK(window >= 0, name, "window must be >= 0 (0: none), got ", window);
   const float* slopes = nullptr;
   if (alibi_slopes.has_value() && alibi_slopes->defined()) {
