@@ -44,6 +44,7 @@ void bind_op_program(pybind11::module_& m);  // op_program.cpp
 bool has_bf16_matmul();
 bool has_bf16_dot_products();
 bool has_vnni_dot_products();
+bool has_int4_quads();
 }  // namespace tritonlm
 
 
@@ -131,5 +132,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("vector_lanes") = vector_lanes();
   m.attr("has_bf16_dot_products") = has_bf16_dot_products();
   m.attr("has_vnni_dot_products") = has_vnni_dot_products();  // int8 inputs: AVX512-VNNI
+  m.attr("has_int4_quads") = has_int4_quads();  // 4-bit weights packed in quad rows
   bind_op_program(m);
 }

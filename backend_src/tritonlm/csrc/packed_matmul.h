@@ -75,11 +75,28 @@ struct DotProducts {
 #endif
 
 // Elements of W per lane of a pair row: a pair of bf16, int8 or widened float32 values; one
-// Int4Pair.
+// byte of 4 bits (Int4Quads: on average, half a quad row per pair row).
 template <typename W>
-constexpr int64_t kLaneElems = std::is_same_v<W, Int4Pair> ? 1 : 2;
+constexpr bool kQuads = std::is_same_v<W, Int4Quads>;
+template <typename W>
+constexpr int64_t kLaneElems = std::is_same_v<W, Int4Pair> || kQuads<W> ? 1 : 2;
 template <typename W>
 constexpr int64_t kPairElems = kBlock * kLaneElems<W>;
+// Pair rows a block stores: 4 bits in whole quad rows, a zero pair row after an odd count.
+template <typename W>
+constexpr int64_t stored_pairs(int64_t pairs) {
+  return kQuads<W> ? pairs + pairs % 2 : pairs;
+}
+// Pair row p of the block at w, as the tiles widen it.
+template <typename W>
+using PairRow = std::conditional_t<kQuads<W>, Int4Row, const W*>;
+template <typename W>
+PairRow<W> pair_row(const W* w, int64_t p) {
+  if constexpr (kQuads<W>)
+    return {w + (p - p % 2) * kBlock, static_cast<int>(p % 2)};
+  else
+    return w + p * kPairElems<W>;
+}
 
 // kGrouped: each group of input features has its own scale and bias per output feature
 // (w = q * scale + bias): a tile sums q * x over a group, then adds scale * sum + bias * (x's
@@ -96,12 +113,15 @@ struct WidenedFma {
   static constexpr bool kGroups = kGrouped;
   // Whether a prompt's row tiles multiply a block widened once instead: quantized weights,
   // where widening costs more than a float32 load (bf16 measured slower so on Zen 1).
-  static constexpr bool kPrewidens = std::is_same_v<Weight, int8_t> ||
-                                     std::is_same_v<Weight, Int4Pair>;
+  static constexpr bool kPrewidens =
+      std::is_same_v<Weight, int8_t> || std::is_same_v<Weight, Int4Pair> || kQuads<Weight>;
   static constexpr bool kIntegerDots = false;  // Int4Dots (packed_matmul_int8_dots.h)
   // Register v's lanes of a pair row as float32 (the stored values, not dequantized).
-  static void widen(const W* w, int v, F& even, F& odd) {
-    I::widen_pairs(w + v * I::kLanes * kLaneElems<W>, even, odd);
+  static void widen(PairRow<W> w, int v, F& even, F& odd) {
+    if constexpr (kQuads<W>)
+      I::widen_pairs(w, v, even, odd);
+    else
+      I::widen_pairs(w + v * I::kLanes * kLaneElems<W>, even, odd);
   }
   // Register v's lanes of a group's [2, 32] scales and biases.
   static void group_params(const float* group, int v, F& scale, F& bias) {
@@ -112,7 +132,7 @@ struct WidenedFma {
   // tiles of more rows than registers for a whole block (AVX2): each row's x broadcast once per
   // half vector pair instead of once per vector, the odd products first as in accumulate.
   template <int R, int kHalf>
-  static void accumulate_half(F (&acc)[R][V], const W* w, const X* x, int64_t x_stride) {
+  static void accumulate_half(F (&acc)[R][V], PairRow<W> w, const X* x, int64_t x_stride) {
     constexpr int H = V / 2;
     F even[H], odd[H], unused;  // widened twice: 12 accumulators leave no registers for both
     for (int v = 0; v < H; ++v) widen(w, kHalf * H + v, unused, odd[v]);
@@ -131,7 +151,7 @@ struct WidenedFma {
     }
   }
   template <int R>
-  static void accumulate(F (&acc)[R][V], const W* w, const X* x, int64_t x_stride) {
+  static void accumulate(F (&acc)[R][V], PairRow<W> w, const X* x, int64_t x_stride) {
     if constexpr (V <= 2) {  // the pair row widened once, each row's x broadcast once
       F even[V], odd[V];
       for (int v = 0; v < V; ++v) widen(w, v, even[v], odd[v]);
@@ -195,8 +215,7 @@ void add_pairs(typename Mul::Isa::F (&sums)[R][kVecs<typename Mul::Isa>], const 
                int64_t begin, int64_t end, Prefetch prefetch) {
   for (int64_t p = begin; p < end; ++p) {
     prefetch(p);
-    Mul::template accumulate<R>(sums, t.w + p * kPairElems<typename Mul::W>, t.x + 2 * p,
-                                t.x_stride);
+    Mul::template accumulate<R>(sums, pair_row(t.w, p), t.x + 2 * p, t.x_stride);
   }
 }
 
@@ -224,15 +243,24 @@ void matmul_tile(const Tile<Mul, O>& t) {
   if constexpr (Mul::kGroups) {
     const int64_t groups = (t.pairs + t.group_pairs - 1) / t.group_pairs;
     const float* group = t.groups;
+    // A streaming tile asks for the scales and biases as far ahead as for the weights, and for
+    // the next group's into L1: at 4 bits in groups of 32 a group's 256 bytes come every 512
+    // weight bytes, and a fifth of the 1-row tile's samples waited on them (Zen 4: 1.1x faster).
+    const int64_t params_ahead =
+        2 * kBlock * std::max<int64_t>(1, kStreamAheadPairs / t.group_pairs);
     for (int64_t g = 0; g < groups; ++g, group += 2 * kBlock) {
+      if (t.streams)
+        for (int64_t b = 0; b < 2 * kBlock * static_cast<int64_t>(sizeof(float)); b += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(group + params_ahead) + b, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(group + 2 * kBlock) + b, _MM_HINT_T0);
+        }
       F sums[R][V];
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < V; ++v) sums[r][v] = I::zero();
       const int64_t begin = g * t.group_pairs, end = std::min(t.pairs, begin + t.group_pairs);
       if constexpr (Mul::kIntegerDots)
-        Mul::template group_sums<R>(sums, t.w + begin * kPairElems<W>, t.x + 2 * begin,
-                                    t.x_stride, t.x_scales + 2 * g, 2 * groups, begin, end,
-                                    prefetch);
+        Mul::template group_sums<R>(sums, t.w, t.x, t.x_stride, t.x_scales + 2 * g, 2 * groups,
+                                    begin, end, prefetch);
       else
         add_pairs<Mul, R>(sums, t, begin, end, prefetch);
       for (int v = 0; v < V; ++v) {
@@ -246,12 +274,12 @@ void matmul_tile(const Tile<Mul, O>& t) {
   } else if constexpr (R * V > I::kAccumulators) {  // the block's low features, then its high
     for (int64_t p = 0; p < t.pairs; ++p) {
       prefetch(p);
-      Mul::template accumulate_half<R, 0>(acc, t.w + p * kPairElems<W>, t.x + 2 * p, t.x_stride);
+      Mul::template accumulate_half<R, 0>(acc, pair_row(t.w, p), t.x + 2 * p, t.x_stride);
     }
     for (int64_t p = 0; p < t.pairs; ++p) {  // the first pass pulled these lines into L2 or L1
       const W* w = t.w + p * kPairElems<W>;
       prefetch_pair<_MM_HINT_T0>(w + kPrefetchPairs * kPairElems<W>);
-      Mul::template accumulate_half<R, 1>(acc, w, t.x + 2 * p, t.x_stride);
+      Mul::template accumulate_half<R, 1>(acc, pair_row(t.w, p), t.x + 2 * p, t.x_stride);
     }
   } else {
     add_pairs<Mul, R>(acc, t, 0, t.pairs, prefetch);

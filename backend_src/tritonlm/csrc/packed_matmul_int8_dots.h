@@ -10,8 +10,10 @@
 // costs five integer instructions, then two multiply-adds per row (Zen 1: the float path is
 // compute-bound at batch 1, reading int4 at a quarter of its memory bandwidth).
 // The integer work is AVX2 on either build; only the conversion to the tile's float registers
-// differs in width. CPUs with AVX512-VNNI take Int4Vnni and Int8Vnni instead (Int4Integer and
-// Int8Integer name what this build uses).
+// differs in width. CPUs with AVX512-VNNI take Int4Vnni and Int8Vnni instead, 4 bits in quad rows
+// (Int4Integer, Int4Weight and Int8Integer name what this build uses). The tiles inline every
+// group_sums: a call per group left a tile's sums in memory (Zen 4, int4 at 32 rows 12-22%
+// slower).
 #pragma once
 #include "packed_matmul.h"
 
@@ -89,11 +91,12 @@ struct Int4Dots : WidenedFma<Native, Int4Pair, true, int8_t> {
   static constexpr int64_t kPairsPerInt16 = 8;
 
   // sums[r] = x's scale for the group * sum over pairs [begin, end) of the 32 features' q * x;
-  // x points at row 0's feature pair `begin`; prefetch(p) asks for what pair row p's tile needs.
+  // w: the block, x: row 0's first feature; prefetch(p) asks for what pair row p's tile needs.
   template <int R, typename Prefetch>
-  static void group_sums(F (&sums)[R][V], const Int4Pair* w, const int8_t* x, int64_t x_stride,
-                         const float* x_scales, int64_t x_scales_stride, int64_t begin,
-                         int64_t end, Prefetch prefetch) {
+  __attribute__((always_inline)) static void group_sums(
+      F (&sums)[R][V], const Int4Pair* w, const int8_t* x, int64_t x_stride,
+      const float* x_scales, int64_t x_scales_stride, int64_t begin, int64_t end,
+      Prefetch prefetch) {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     // int16 sums [r][0]: features 0-7 in the low 128 bits, 16-23 in the high; [r][1]: 8-15,
     // 24-31 (vpunpck*bw interleave within 128-bit lanes); int32 sums [r]: 0-7, 8-15, 16-23, 24-31
@@ -107,14 +110,14 @@ struct Int4Dots : WidenedFma<Native, Int4Pair, true, int8_t> {
       for (int64_t p = p0; p < stop; ++p) {
         prefetch(p);
         const __m256i bytes =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p - begin) * kBlock));
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * kBlock));
         const __m256i even = _mm256_and_si256(bytes, nibble);
         const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
         const __m256i w0 = _mm256_unpacklo_epi8(even, odd), w1 = _mm256_unpackhi_epi8(even, odd);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           int16_t pair;
-          std::memcpy(&pair, x + r * x_stride + 2 * (p - begin), sizeof(pair));
+          std::memcpy(&pair, x + r * x_stride + 2 * p, sizeof(pair));
           const __m256i xs = _mm256_set1_epi16(pair);
           narrow[r][0] = _mm256_add_epi16(narrow[r][0], _mm256_maddubs_epi16(w0, xs));
           narrow[r][1] = _mm256_add_epi16(narrow[r][1], _mm256_maddubs_epi16(w1, xs));
@@ -142,19 +145,20 @@ struct Int8Dots : WidenedFma<Native, int8_t, true, int8_t> {
   static constexpr int kRows = 3;  // 12 int32 sums + a weight register + 3 x pairs: 16 registers
 
   template <int R, typename Prefetch>
-  static void group_sums(F (&sums)[R][V], const int8_t* w, const int8_t* x, int64_t x_stride,
-                         const float* x_scales, int64_t x_scales_stride, int64_t begin,
-                         int64_t end, Prefetch prefetch) {
+  __attribute__((always_inline)) static void group_sums(
+      F (&sums)[R][V], const int8_t* w, const int8_t* x, int64_t x_stride,
+      const float* x_scales, int64_t x_scales_stride, int64_t begin, int64_t end,
+      Prefetch prefetch) {
     __m256i wide[R][4];  // int32 sums of features 0-7, 8-15, 16-23, 24-31
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) wide[r][c] = _mm256_setzero_si256();
     for (int64_t p = begin; p < end; ++p) {
       prefetch(p);
-      const int8_t* row = w + (p - begin) * kPairElems<int8_t>;
+      const int8_t* row = w + p * kPairElems<int8_t>;
       __m256i xs[R];
       for (int r = 0; r < R; ++r) {
         int16_t pair;
-        std::memcpy(&pair, x + r * x_stride + 2 * (p - begin), sizeof(pair));
+        std::memcpy(&pair, x + r * x_stride + 2 * p, sizeof(pair));
         xs[r] = _mm256_cvtepi8_epi16(_mm_set1_epi16(pair));
       }
 #pragma GCC unroll 4
@@ -180,66 +184,84 @@ void scaled_sums(const __m512i (&wide)[R][2], const float* x_scales, int64_t x_s
                                  _mm512_set1_ps(x_scales[r * x_scales_stride]));
 }
 
+// Calls add(u, second, xs) for each unit of pair rows u and u + 1 that meets [begin, end):
+// xs(r), row r's four int8 x values of the unit's features (an int32), zero for a pair row
+// outside [begin, end); `second`: whether pair row u + 1 is inside. kQuadRows: units start at
+// even pair rows (4-bit quad rows; a group of an odd number of pairs begins or ends mid-row), else
+// at begin. x points at row 0's first feature. (xs loads as the tile broadcasts: R values held in
+// registers at once spilled the 6-row tile's.)
+template <bool kQuadRows, typename Add>
+__attribute__((always_inline)) inline void pair_units(const int8_t* x, int64_t x_stride,
+                                                      int64_t begin, int64_t end, Add add) {
+  auto unit = [&](int64_t u, bool first, bool second) __attribute__((always_inline)) {
+    add(u, second, [=](int r) __attribute__((always_inline)) {
+      const int8_t* values = x + r * x_stride + 2 * u;
+      int32_t xs = 0;
+      if (first && second)
+        std::memcpy(&xs, values, 4);
+      else if (first)
+        std::memcpy(&xs, values, 2);
+      else
+        std::memcpy(reinterpret_cast<char*>(&xs) + 2, values + 2, 2);
+      return xs;
+    });
+  };
+  int64_t u = begin;
+  if (kQuadRows && u % 2) {
+    unit(u - 1, false, true);
+    ++u;
+  }
+  for (; u + 1 < end; u += 2) unit(u, true, true);
+  if (u < end) unit(u, true, false);
+}
+
 // wide[r] = the sums over pair rows [begin, end) of vpdpbusd(four weight values a lane, row r's
-// four int8 x values). quads(p, two, low, high) gives pair rows p and p + 1 (or p alone, `two`
-// false: x's next two values may not exist) as two registers of 16 features' four values.
-template <int R, typename Quads, typename Prefetch>
+// four int8 x values), over pair_units<kQuadRows>. quads(u, second, low, high) gives pair
+// rows u and u + 1 (where `second`; else zeros may stand for u + 1) as two registers of 16
+// features' four values.
+template <int R, bool kQuadRows, typename Quads, typename Prefetch>
 __attribute__((always_inline)) inline void vnni_sums(__m512i (&wide)[R][2], const int8_t* x,
                                                      int64_t x_stride, int64_t begin,
                                                      int64_t end, Quads quads,
                                                      Prefetch prefetch) {
   for (int r = 0; r < R; ++r) wide[r][0] = wide[r][1] = _mm512_setzero_si512();
-  auto add = [&](int64_t p, bool two) __attribute__((always_inline)) {
-    prefetch(p);
-    if (two) prefetch(p + 1);
+  pair_units<kQuadRows>(x, x_stride, begin, end,
+                        [&](int64_t u, bool second, auto xs) __attribute__((always_inline)) {
+    prefetch(u);
+    prefetch(u + 1);
     __m512i low, high;
-    quads(p, two, low, high);
+    quads(u, second, low, high);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      int32_t values = 0;
-      std::memcpy(&values, x + r * x_stride + 2 * (p - begin), two ? 4 : 2);
-      const __m512i xs = _mm512_set1_epi32(values);
-      wide[r][0] = _mm512_dpbusd_epi32(wide[r][0], low, xs);
-      wide[r][1] = _mm512_dpbusd_epi32(wide[r][1], high, xs);
+      const __m512i xr = _mm512_set1_epi32(xs(r));
+      wide[r][0] = _mm512_dpbusd_epi32(wide[r][0], low, xr);
+      wide[r][1] = _mm512_dpbusd_epi32(wide[r][1], high, xr);
     }
-  };
-  int64_t p = begin;
-  for (; p + 1 < end; p += 2) add(p, true);
-  if (p < end) add(p, false);
+  });
 }
 
-// Int4Dots with AVX512-VNNI's vpdpbusd: four 0..15 values of a feature times x's four int8
-// values, summed into the feature's int32 lane, 64 products an instruction. Two pair rows make
-// the four values: each byte zero-extended into a lane, the next pair row's 16 bits up, nibbles
-// split into bytes. Per row, two instructions per two pair rows against Int4Dots' eight.
-struct Int4Vnni : WidenedFma<Avx512, Int4Pair, true, int8_t> {
+// Int4Dots with AVX512-VNNI's vpdpbusd: a quad row's four values of a feature times x's four
+// int8 values, summed into the feature's int32 lane, 64 products an instruction: the quad row
+// masked is features 0-15, shifted and masked 16-31.
+struct Int4Vnni : WidenedFma<Avx512, Int4Quads, true, int8_t> {
   static constexpr bool kPrewidens = false;
   static constexpr bool kIntegerDots = true;
   static constexpr int kRows = 6;  // 12 int32 sums beside the tile's 12 accumulators
 
-  // 16 features' bytes of pair rows p and p+1 (null: none) as each feature's four values.
-  static __m512i quads(const uint8_t* first, const uint8_t* second) {
-    const auto bytes = [](const uint8_t* b) {
-      return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
-    };
-    __m512i lanes = bytes(first);
-    if (second) lanes = _mm512_or_si512(lanes, _mm512_slli_epi32(bytes(second), 16));
-    return _mm512_and_si512(_mm512_or_si512(lanes, _mm512_slli_epi32(lanes, 4)),
-                            _mm512_set1_epi8(0x0F));
-  }
-
   template <int R, typename Prefetch>
-  static void group_sums(F (&sums)[R][V], const Int4Pair* w, const int8_t* x, int64_t x_stride,
-                         const float* x_scales, int64_t x_scales_stride, int64_t begin,
-                         int64_t end, Prefetch prefetch) {
+  __attribute__((always_inline)) static void group_sums(
+      F (&sums)[R][V], const Int4Quads* w, const int8_t* x, int64_t x_stride,
+      const float* x_scales, int64_t x_scales_stride, int64_t begin, int64_t end,
+      Prefetch prefetch) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
     __m512i wide[R][2];  // int32 sums of features 0-15, 16-31
-    auto pair_rows = [&](int64_t p, bool two, __m512i& low, __m512i& high)
-                         __attribute__((always_inline)) {
-      const auto* row = reinterpret_cast<const uint8_t*>(w + (p - begin) * kBlock);
-      low = quads(row, two ? row + kBlock : nullptr);
-      high = quads(row + 16, two ? row + kBlock + 16 : nullptr);
+    auto quad_row = [&](int64_t u, bool, __m512i& low, __m512i& high)
+                        __attribute__((always_inline)) {
+      const __m512i quad = _mm512_loadu_si512(w + u * kBlock);
+      low = _mm512_and_si512(quad, nibble);
+      high = _mm512_and_si512(_mm512_srli_epi16(quad, 4), nibble);
     };
-    vnni_sums(wide, x, x_stride, begin, end, pair_rows, prefetch);
+    vnni_sums<R, true>(wide, x, x_stride, begin, end, quad_row, prefetch);
     scaled_sums(wide, x_scales, x_scales_stride, sums);
   }
 };
@@ -255,21 +277,22 @@ struct Int8Vnni : WidenedFma<Avx512, int8_t, true, int8_t> {
   static constexpr int kRows = 6;
 
   template <int R, typename Prefetch>
-  static void group_sums(F (&sums)[R][V], const int8_t* w, const int8_t* x, int64_t x_stride,
-                         const float* x_scales, int64_t x_scales_stride, int64_t begin,
-                         int64_t end, Prefetch prefetch) {
+  __attribute__((always_inline)) static void group_sums(
+      F (&sums)[R][V], const int8_t* w, const int8_t* x, int64_t x_stride,
+      const float* x_scales, int64_t x_scales_stride, int64_t begin, int64_t end,
+      Prefetch prefetch) {
     const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
     __m512i wide[R][2];  // int32 sums of features 0-3, 8-11, 16-19, 24-27; 4-7, 12-15, ...
-    auto pair_rows = [&](int64_t p, bool two, __m512i& low, __m512i& high)
+    auto pair_rows = [&](int64_t u, bool two, __m512i& low, __m512i& high)
                          __attribute__((always_inline)) {
-      const int8_t* row = w + (p - begin) * kPairElems<int8_t>;
+      const int8_t* row = w + u * kPairElems<int8_t>;
       const __m512i first = _mm512_loadu_si512(row);
       const __m512i second = two ? _mm512_loadu_si512(row + kPairElems<int8_t>)
                                  : _mm512_setzero_si512();
       low = _mm512_xor_si512(_mm512_unpacklo_epi16(first, second), offset);
       high = _mm512_xor_si512(_mm512_unpackhi_epi16(first, second), offset);
     };
-    vnni_sums(wide, x, x_stride, begin, end, pair_rows, prefetch);
+    vnni_sums<R, false>(wide, x, x_stride, begin, end, pair_rows, prefetch);
     const __m512i first_half =
         _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second_half =
@@ -286,10 +309,12 @@ struct Int8Vnni : WidenedFma<Avx512, int8_t, true, int8_t> {
   }
 };
 using Int4Integer = Int4Vnni;
+using Int4Weight = Int4Quads;
 using Int8Integer = Int8Vnni;
 constexpr bool kVnniDots = true;
 #else
 using Int4Integer = Int4Dots;
+using Int4Weight = Int4Pair;
 using Int8Integer = Int8Dots;
 constexpr bool kVnniDots = false;
 #endif

@@ -10,9 +10,25 @@
 namespace tritonlm {
 namespace packed_matmul {
 
-// One feature pair of 4-bit weights (0..15): the even k in the low nibble, the odd k in the high.
+// 4-bit weights (0..15) in one of two layouts (the build's Int4Weight, packed_matmul_int8_dots.h):
+// - Int4Pair: a feature pair per byte, the even k in the low nibble, the odd k in the high;
+// - Int4Quads (AVX512-VNNI builds): two pair rows (k = 4q..4q+3) per 64-byte quad row of a
+//   block; byte 4l + i holds feature l's k = 4q + i in its low nibble, feature 16 + l's in its
+//   high one. Masked (or shifted and masked) a quad row is 16 features' four values a lane, as
+//   vpdpbusd multiplies them: pairs took 14 instructions per 128 weights into that order, quads
+//   take 4 (Zen 4, 2 threads, int4 g32 SmolLM2's matmuls: 1 row from L3 1.5x faster; from
+//   memory, with the group parameters' prefetch, 1.09-1.18x at 1-256 rows). AVX2's vpmaddubsw
+//   path keeps pairs: on quads its 4-row tiles ran out of registers (0.77-0.90x).
 struct Int4Pair {
   uint8_t bits;
+};
+struct Int4Quads {
+  uint8_t bits;
+};
+// Pair row 2q + second of a quad row, as the float tiles widen it.
+struct Int4Row {
+  const Int4Quads* quad;
+  int second;
 };
 
 // Lane t of the result: the sum of v[t]'s 8 lanes (t < 8). Both builds: the AVX512-BF16 decode
@@ -59,6 +75,16 @@ struct Avx512 {
         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     even = _mm512_cvtepi32_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xF)));
     odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(pairs, 4));
+  }
+  // Register v's lanes (features 16v..) of a 4-bit pair row: nibbles of the quad row's lanes.
+  static void widen_pairs(Int4Row row, int v, F& even, F& odd) {
+    const __m512i lanes = _mm512_loadu_si512(row.quad);
+    const int shift = 16 * row.second + 4 * v;
+    const __m512i nibble = _mm512_set1_epi32(0xF);
+    even = _mm512_cvtepi32_ps(
+        _mm512_and_si512(_mm512_srl_epi32(lanes, _mm_cvtsi32_si128(shift)), nibble));
+    odd = _mm512_cvtepi32_ps(
+        _mm512_and_si512(_mm512_srl_epi32(lanes, _mm_cvtsi32_si128(shift + 8)), nibble));
   }
   static void widen_pairs(const float* w, F& even, F& odd) {  // widened already (prewiden)
     even = _mm512_loadu_ps(w);

@@ -38,12 +38,11 @@ void prewiden(const typename Mul::W* w, int64_t pairs, const float* groups, int6
   using I = typename Mul::Isa;
   using W = typename Mul::W;
   for (int64_t p = 0; p < pairs; ++p) {
-    const W* row = w + p * kPairElems<W>;
-    prefetch_pair<_MM_HINT_T0>(row + kPrefetchPairs * kPairElems<W>);
+    prefetch_pair<_MM_HINT_T0>(w + (p + kPrefetchPairs) * kPairElems<W>);
     const float* group = Mul::kGroups ? groups + p / group_pairs * 2 * kBlock : nullptr;
     for (int v = 0; v < Mul::V; ++v) {
       typename I::F even, odd;
-      Mul::widen(row, v, even, odd);
+      Mul::widen(pair_row(w, p), v, even, odd);
       if constexpr (Mul::kGroups) {
         typename I::F scale, bias;
         Mul::group_params(group, v, scale, bias);
@@ -64,13 +63,14 @@ template <typename Mul>
 at::Tensor dense_weight(const typename Mul::W* ws, int64_t pairs, const Dequant& d,
                         const Shape& s, int64_t k) {
   using I = typename Mul::Isa;
+  const int64_t block_elems = stored_pairs<typename Mul::W>(pairs) * kPairElems<typename Mul::W>;
   auto dense = at::empty({s.out_features, k}, at::kFloat);
   float* ds = dense.data_ptr<float>();
   const int64_t groups_per_block = d.groups ? (pairs + d.group_pairs - 1) / d.group_pairs : 0;
   at::parallel_for(0, s.blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> widened(pairs * 2 * kBlock);
     for (int64_t b = begin; b < end; ++b) {
-      prewiden<Mul>(ws + b * pairs * kPairElems<typename Mul::W>, pairs,
+      prewiden<Mul>(ws + b * block_elems, pairs,
                     d.groups ? d.groups + b * groups_per_block * 2 * kBlock : nullptr,
                     d.group_pairs, widened.data());
       for (int64_t lane = 0; lane < kBlock; ++lane) {
@@ -141,7 +141,7 @@ void run_tasks(const typename Mul::X* xs, int64_t x_stride, const typename Mul::
                int64_t activation) {
   using W = typename Mul::W;
   using Wide = WidenedFma<typename Mul::Isa, float, false, typename Mul::X>;
-  const int64_t m = s.m, half = s.half, block_elems = pairs * kPairElems<W>;
+  const int64_t m = s.m, half = s.half, block_elems = stored_pairs<W>(pairs) * kPairElems<W>;
   const int64_t groups_per_block = d.groups ? (pairs + d.group_pairs - 1) / d.group_pairs : 0;
   const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
   // Tasks run chunk-major: a thread's consecutive tasks reuse one chunk of x from L2 while the

@@ -1,6 +1,7 @@
 // Weight-only quantized matmuls in the tiling of packed_matmul.h, packed once as the bfloat16
 // weights are (tritonlm/layers/quantized_matmul.py): int8 pairs [blocks, ceil(K/2), 32, 2] or
-// 4-bit pairs [blocks, ceil(K/2), 32] (a byte per pair), widened to float32 in registers,
+// 4 bits [blocks, ceil(K/2), 32] (a byte per pair), or in quad rows [blocks, ceil(K/4) * 2, 32]
+// where has_int4_quads (Int4Quads: AVX512-VNNI builds), widened to float32 in registers,
 // float32 FMAs. Dequantized either
 // - by one scale per output feature, applied once to its sums (int8 rows), or
 // - by a scale and a bias per output feature and group of input features (w = q * scale + bias:
@@ -38,20 +39,20 @@ std::vector<float> group_sums(const FloatRows& x, int64_t m, int64_t k, int64_t 
 
 // O: the output's element (float, or bfloat16 as uint16_t).
 template <typename Mul, typename O>
-void run_on(const typename Mul::X* xs, int64_t x_stride, const at::Tensor& packed,
+void run_on(const typename Mul::X* xs, int64_t x_stride, const at::Tensor& packed, int64_t pairs,
             const Dequant& dequant, const std::optional<at::Tensor>& bias, at::Tensor& out,
             const Shape& shape) {
   const auto* ws = reinterpret_cast<const typename Mul::W*>(packed.data_ptr());
   const auto* bs = bias ? reinterpret_cast<const O*>(bias->data_ptr()) : nullptr;
-  run_tasks<Mul, O>(xs, x_stride, ws, packed.size(1), dequant, bs,
-                    reinterpret_cast<O*>(out.data_ptr()), shape, -1);
+  run_tasks<Mul, O>(xs, x_stride, ws, pairs, dequant, bs, reinterpret_cast<O*>(out.data_ptr()),
+                    shape, -1);
 }
 
 // Calls run(Type<WidenedFma<...>>{}) with the multiply of the packed weight's layout.
 template <typename Run>
 void with_layout(bool int4, bool grouped, Run run) {
   if (int4)
-    run(Type<WidenedFma<Native, Int4Pair, true>>{});
+    run(Type<WidenedFma<Native, Int4Weight, true>>{});
   else if (grouped)
     run(Type<WidenedFma<Native, int8_t, true>>{});
   else
@@ -72,15 +73,16 @@ void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4, bool int8
              const std::optional<at::Tensor>& groups, int64_t group_size,
              const std::optional<at::Tensor>& bias, at::Tensor& out, const Shape& shape) {
   using T = std::conditional_t<std::is_same_v<O, float>, float, c10::BFloat16>;
+  const int64_t pairs = x.size(1) / 2;
   if (int8_dots) {
     const QuantizedRows& q = quantize_rows<T>(x, groups->size(1), group_size);
     const Dequant dequant =
         dequant_of(row_scales, groups, group_size, q.sums.data(), q.scales.data());
     const int8_t* values = q.values.data();
     if (int4)
-      run_on<Int4Integer, O>(values, x.size(1), packed, dequant, bias, out, shape);
+      run_on<Int4Integer, O>(values, x.size(1), packed, pairs, dequant, bias, out, shape);
     else
-      run_on<Int8Integer, O>(values, x.size(1), packed, dequant, bias, out, shape);
+      run_on<Int8Integer, O>(values, x.size(1), packed, pairs, dequant, bias, out, shape);
     return;
   }
   const FloatRows rows = float_rows(x);
@@ -89,8 +91,8 @@ void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4, bool int8
              : std::vector<float>();
   const Dequant dequant = dequant_of(row_scales, groups, group_size, x_sums.data());
   with_layout(int4, groups.has_value(), [&](auto type) {
-    run_on<typename decltype(type)::type, O>(rows.data, rows.stride, packed, dequant, bias, out,
-                                             shape);
+    run_on<typename decltype(type)::type, O>(rows.data, rows.stride, packed, pairs, dequant,
+                                             bias, out, shape);
   });
 }
 }  // namespace
@@ -111,7 +113,8 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
   const bool int4 = packed.scalar_type() == at::kByte;
   TORCH_CHECK((int4 || packed.scalar_type() == at::kChar) && packed.is_contiguous() &&
                   packed.dim() == (int4 ? 3 : 4) && packed.size(0) == blocks &&
-                  packed.size(1) == pairs && packed.size(2) == kBlock &&
+                  packed.size(1) == (int4 ? stored_pairs<Int4Weight>(pairs) : pairs) &&
+                  packed.size(2) == kBlock &&
                   (int4 || packed.size(3) == 2),
               "quantized_matmul: packed weight ", packed.sizes(), " (", packed.scalar_type(),
               ") does not hold ", out_features, " x ", k, " int8 or 4-bit values");
@@ -156,6 +159,9 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
   return result;
 }
 bool has_vnni_dot_products() { return packed_matmul::kVnniDots; }
+bool has_int4_quads() {
+  return std::is_same_v<packed_matmul::Int4Weight, packed_matmul::Int4Quads>;
+}
 #else
 at::Tensor quantized_matmul(const at::Tensor&, const at::Tensor&,
                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
@@ -164,6 +170,7 @@ at::Tensor quantized_matmul(const at::Tensor&, const at::Tensor&,
   TORCH_CHECK(false, "quantized_matmul: built for a CPU without AVX2 + FMA");
 }
 bool has_vnni_dot_products() { return false; }
+bool has_int4_quads() { return false; }
 #endif
 
 }  // namespace tritonlm

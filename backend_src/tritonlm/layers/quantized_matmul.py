@@ -132,7 +132,8 @@ class _Int8Rows(nn.Module):
 class PairBlocks(nn.Module):
     """int8 or 4-bit values (`values` [out, in], 4 bits in 0..15) packed for our kernel: pairs of
     input features per block of 32 output features, as cpu_gemm packs bf16 weights (4 bits: a
-    pair in one byte). Dequantized by one scale per output row (int8, no biases: applied to the
+    pair in one byte, or where the kernels take them, two pairs of 32 features in 64 bytes,
+    `_quad_rows`). Dequantized by one scale per output row (int8, no biases: applied to the
     sums), else by a scale and a bias per output row and group, packed alike [blocks, G, 2, 32].
     Inputs of fewer than `int8_rows` rows are quantized to int8 (int8 rows then take groups of
     ROW_GROUP_SIZE, each with the row's scale, that their input is scaled by)."""
@@ -150,9 +151,12 @@ class PairBlocks(nn.Module):
         self.group_size = group_size
         four_bits = values.dtype == torch.uint8
         per_row = not four_bits and scales.shape[1] == 1 and biases is None
-        packed = cpu_gemm.pack_pair_blocks(values)
-        if four_bits:
-            packed = packed[..., 0] | (packed[..., 1] << 4)
+        if four_bits and kernels.has_int4_quads:
+            packed = _quad_rows(values)
+        else:
+            packed = cpu_gemm.pack_pair_blocks(values)
+            if four_bits:
+                packed = packed[..., 0] | (packed[..., 1] << 4)
         self.register_buffer("packed", huge_pages.place(packed))
         for name in ("row_scales", "groups", "row_groups"):
             self.register_buffer(name, None)
@@ -178,6 +182,16 @@ class PairBlocks(nn.Module):
                                             self.out_features, None, self.sgemm_rows,
                                             self.int8_rows)
         return out.view(*x.shape[:-1], -1)
+
+
+def _quad_rows(values: torch.Tensor) -> torch.Tensor:
+    """4-bit values [out, in] in the kernel's quad rows (Int4Quads, csrc/packed_matmul_registers.h):
+    [blocks, 2 * ceil(in / 4), 32] bytes; byte 4l + i of a block's quad row q holds its feature
+    l's value 4q + i in the low nibble, feature 16 + l's in the high one."""
+    pairs = cpu_gemm.pack_pair_blocks(F.pad(values, (0, -values.shape[1] % 4)))
+    blocks, rows = pairs.shape[:2]  # [blocks, rows, 32, 2]: pair row 2q + s holds 4q + 2s, + 1
+    quads = pairs.view(blocks, rows // 2, 2, 32, 2).transpose(2, 3).reshape(blocks, -1, 32, 4)
+    return (quads[:, :, :16] | (quads[:, :, 16:] << 4)).reshape(blocks, rows, 32)
 
 
 def _packed_groups(scales: torch.Tensor, biases: torch.Tensor | None) -> torch.Tensor:
