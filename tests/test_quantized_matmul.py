@@ -103,13 +103,43 @@ def test_other_layouts_dequantize_for_each_matmul(bits, group_size, rows):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-LAYOUTS = {  # name -> (bits, group size or None: one scale per row, act-order, biases)
-    "int8-rows": (8, None, False, False),
-    "int8-g6-biases": (8, 6, False, True),
-    "int4-g32-act-order": (4, 32, True, True),
-    "int4-g16-symmetric": (4, 16, False, False),
-    "int4-one-group": (4, None, False, True),
+# (bits, group size or None: one scale per row, act-order, biases, scales and biases exact in
+# float16: the kernel reads them in 2 bytes, else in 4)
+LAYOUTS = {
+    "int8-rows": (8, None, False, False, False),
+    "int8-g6-biases": (8, 6, False, True, False),
+    "int8-g6-biases-half": (8, 6, False, True, True),
+    "int4-g32-act-order": (4, 32, True, True, False),
+    "int4-g32-act-order-half": (4, 32, True, True, True),
+    "int4-g16-symmetric": (4, 16, False, False, False),
+    "int4-one-group": (4, None, False, True, False),
 }
+
+
+def random_storage(out_features: int, in_features: int, bits: int, group_size: int | None,
+                   act_order: bool, biases: bool, half: bool) -> QuantizedWeight:
+    """A QuantizedWeight of random values, scales and biases (in float16 precision if `half`)."""
+    group_size = group_size or in_features
+    groups = -(-in_features // group_size)
+    layer = QuantizedWeight(out_features, in_features, bits, groups, biases, None)
+    if bits == 4:
+        layer.qweight.data = pack_int4(torch.randint(0, 16, (out_features, in_features)))
+    else:
+        layer.qweight.data = torch.randint(-127, 128, (out_features, in_features),
+                                           dtype=torch.int8)
+    precision = (lambda t: t.half().float()) if half else (lambda t: t)
+    layer.scales.data = precision(torch.rand(out_features, groups) * 0.02 + 0.001)
+    if biases:
+        layer.biases.data = precision(torch.randn(out_features, groups) * 0.1)
+    g_idx = torch.arange(in_features) // group_size
+    layer.g_idx.data = (g_idx[torch.randperm(in_features)] if act_order else g_idx).int()
+    return layer
+
+
+def assert_packed_params(layer: QuantizedWeight, half: bool) -> None:
+    """The kernel's group parameters are float16 where every one is exact in it."""
+    params = [t for t in (layer.fused.groups, layer.fused.row_groups) if t is not None]
+    assert all(t.dtype == (torch.float16 if half else torch.float32) for t in params)
 
 
 @pytest.mark.skipif(not OURS, reason="no AVX2 + FMA: torch's kernels run")
@@ -128,27 +158,16 @@ def test_our_packed_kernel_takes_any_shape(layout, dtype, rows, out_features, in
     monkeypatch.setenv(cpu_gemm.SGEMM_ROWS_ENV, "1" if multiply == "sgemm" else "0")
     monkeypatch.setattr(quantized_matmul, "sgemm_rows_for_this_cpu",  # read it, cache nothing
                         quantized_matmul.sgemm_rows_for_this_cpu.__wrapped__)
-    bits, group_size, act_order, biases = LAYOUTS[layout]
+    bits, half = LAYOUTS[layout][0], LAYOUTS[layout][-1]
     if bits == 4 and in_features % 2:
         pytest.skip("4-bit storage packs input columns in pairs")
     torch.manual_seed(rows + in_features)
-    group_size = group_size or in_features
-    groups = -(-in_features // group_size)
-    layer = QuantizedWeight(out_features, in_features, bits, groups, biases, None)
-    if bits == 4:
-        layer.qweight.data = pack_int4(torch.randint(0, 16, (out_features, in_features)))
-    else:
-        layer.qweight.data = torch.randint(-127, 128, (out_features, in_features),
-                                           dtype=torch.int8)
-    layer.scales.data = torch.rand(out_features, groups) * 0.02 + 0.001
-    if biases:
-        layer.biases.data = torch.randn(out_features, groups) * 0.1
-    g_idx = torch.arange(in_features) // group_size
-    layer.g_idx.data = (g_idx[torch.randperm(in_features)] if act_order else g_idx).int()
+    layer = random_storage(out_features, in_features, *LAYOUTS[layout])
     x = torch.randn(rows, in_features + 2)[:, 1:1 + in_features]  # rows with a stride
     expected = reference(layer, x, None)
     got = layer.matmul(x.to(dtype), None)
     assert isinstance(layer.fused, PairBlocks) and layer.qweight.numel() == 0
+    assert_packed_params(layer, half)
     assert got.dtype == dtype and got.shape == (rows, out_features)
     tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7 * expected.abs().max().item()
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=1e-4)
@@ -176,14 +195,17 @@ def int8_input_reference(layer: QuantizedWeight, x: torch.Tensor) -> torch.Tenso
     return expected
 
 
-INT8_INPUT_LAYOUTS = {  # name -> (bits, group size (None: one), act-order, biases)
-    "int4-g32-act-order": (4, 32, True, True),
-    "int4-g16-symmetric": (4, 16, False, False),
-    "int4-one-group": (4, None, False, True),
-    "int4-g6": (4, 6, False, True),  # fewer pairs than the 4-bit kernel's int16 run
-    "int8-per-row": (8, None, False, False),  # x scaled per ROW_GROUP_SIZE features
-    "int8-g32-act-order": (8, 32, True, True),
-    "int8-g16-symmetric": (8, 16, False, False),
+INT8_INPUT_LAYOUTS = {  # name -> as LAYOUTS'
+    "int4-g32-act-order": (4, 32, True, True, False),
+    "int4-g32-half": (4, 32, False, True, True),
+    "int4-g16-symmetric": (4, 16, False, False, False),
+    "int4-one-group": (4, None, False, True, False),
+    "int4-g6": (4, 6, False, True, False),  # fewer pairs than the 4-bit kernel's int16 run
+    "int4-g6-half": (4, 6, False, True, True),
+    "int8-per-row": (8, None, False, False, False),  # x scaled per ROW_GROUP_SIZE features
+    "int8-per-row-half": (8, None, False, False, True),
+    "int8-g32-act-order": (8, 32, True, True, False),
+    "int8-g16-symmetric": (8, 16, False, False, False),
 }
 
 
@@ -202,23 +224,11 @@ def test_int8_inputs_give_quantized_weights_the_int8_math(layout, out_features, 
     if rows >= limit:
         pytest.skip(f"these weights take int8 inputs under {limit} rows")
     torch.manual_seed(rows * in_features)
-    bits, group_size, act_order, biases = INT8_INPUT_LAYOUTS[layout]
+    bits, half = INT8_INPUT_LAYOUTS[layout][0], INT8_INPUT_LAYOUTS[layout][-1]
     if bits == 4 and in_features % 2:
         pytest.skip("4-bit storage packs input columns in pairs")
-    group_size = group_size or in_features
-    groups = -(-in_features // group_size)
-    layer = QuantizedWeight(out_features, in_features, bits, groups, biases, None)
+    layer = random_storage(out_features, in_features, *INT8_INPUT_LAYOUTS[layout])
     layer.int8_inputs = True
-    if bits == 4:
-        layer.qweight.data = pack_int4(torch.randint(0, 16, (out_features, in_features)))
-    else:
-        layer.qweight.data = torch.randint(-127, 128, (out_features, in_features),
-                                           dtype=torch.int8)
-    layer.scales.data = torch.rand(out_features, groups) * 0.02 + 0.001
-    if biases:
-        layer.biases.data = torch.randn(out_features, groups) * 0.1
-    g_idx = torch.arange(in_features) // group_size
-    layer.g_idx.data = (g_idx[torch.randperm(in_features)] if act_order else g_idx).int()
     x = (torch.randn(rows, in_features) * 3).to(dtype)
     x[0, layer.g_idx == 0] = 0
     prompt = torch.randn(min(limit, 600), in_features).to(dtype)  # 600: past sgemm's 512 rows
@@ -228,6 +238,7 @@ def test_int8_inputs_give_quantized_weights_the_int8_math(layout, out_features, 
                        reference(layer, prompt, None))
     got = layer.matmul(x, None)
     assert isinstance(layer.fused, PairBlocks) and layer.fused.int8_rows == limit
+    assert_packed_params(layer, half)
     tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7 * expected.abs().max().item()
     torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=1e-4)
     # x's rounding moves the float math by a few steps of 1/127 of the inputs' scale

@@ -28,14 +28,16 @@ namespace packed_matmul {
 
 constexpr int64_t kBlock = 32;        // output features per packed block
 constexpr int64_t kChunkRows = 192;   // rows per task: a chunk of x stays in L2 across blocks
-// Weight pairs (128 bytes each) prefetched ahead: 4 KB, about one memory latency of a tile's
-// reads. 1 KB (8) left 32-row matmuls 5-15% slower and the 32-row LM head ~15% slower on Zen 5.
-constexpr int64_t kPrefetchPairs = 32;
+// Weight bytes prefetched ahead: 4 KB, about one memory latency of a tile's reads. 1 KB left
+// bf16's 32-row matmuls 5-15% slower and the 32-row LM head ~15% slower on Zen 5.
+constexpr int64_t kPrefetchBytes = 4096;
 // A task of one row tile (up to 12 rows) is bound by the weights' stream from memory: its tile
 // also asks for the weights 16 KB ahead into L2, which keeps enough reads in flight for DRAM's
-// latency (Emerald Rapids, 1 row: 30 SmolLM2 layers' matmuls 15% faster; in every first tile
-// it made 32- and 256-row matmuls 2-5% slower, and 16 KB ahead into L1 slowed them too).
-constexpr int64_t kStreamAheadPairs = 128;
+// latency (Emerald Rapids, bf16, 1 row: 30 SmolLM2 layers' matmuls 15% faster; in every first
+// tile it made 32- and 256-row matmuls 2-5% slower, and 16 KB ahead into L1 slowed them too).
+// In bytes, not pairs: 4-bit weights asked for 4 KB ahead (a quarter of bf16's) waited on their
+// loads for a third of their tile's samples (Zen 4).
+constexpr int64_t kStreamAheadBytes = 16384;
 constexpr int64_t kTasksPerGrab = 4;
 
 template <typename Isa>
@@ -55,6 +57,7 @@ constexpr int kVecs = kBlock / Isa::kLanes;  // registers across a block's 32 fe
 struct DotProducts {
   using X = uint16_t;
   using W = uint16_t;
+  using P = void;
   using Isa = Avx512;
   static constexpr bool kGroups = false;
   static constexpr bool kPrewidens = false;
@@ -87,6 +90,11 @@ template <typename W>
 constexpr int64_t stored_pairs(int64_t pairs) {
   return kQuads<W> ? pairs + pairs % 2 : pairs;
 }
+// Pair rows of W in `bytes`.
+template <typename W>
+constexpr int64_t pairs_in(int64_t bytes) {
+  return bytes / (kPairElems<W> * static_cast<int64_t>(sizeof(W)));
+}
 // Pair row p of the block at w, as the tiles widen it.
 template <typename W>
 using PairRow = std::conditional_t<kQuads<W>, Int4Row, const W*>;
@@ -98,19 +106,23 @@ PairRow<W> pair_row(const W* w, int64_t p) {
     return w + p * kPairElems<W>;
 }
 
-// kGrouped: each group of input features has its own scale and bias per output feature
-// (w = q * scale + bias): a tile sums q * x over a group, then adds scale * sum + bias * (x's
-// sum over the group), so widening a weight costs no more than for bf16 or int8 rows. Else the
-// weights are the values (bf16) or a per-feature scale multiplies the sums (int8 rows).
+// Params: the element of group parameters (float, or c10::Half where the weight's scales and
+// biases are exact in float16: GGUF's and our converter's; at 4 bits in groups of 32 they are
+// then a fifth of the bytes, not a third), where each group of input features has its own scale
+// and bias per output feature (w = q * scale + bias): a tile sums q * x over a group, then adds
+// scale * sum + bias * (x's sum over the group), so widening a weight costs no more than for
+// bf16 or int8 rows. void: the weights are the values (bf16) or a per-feature scale multiplies
+// the sums (int8 rows).
 // XT: x's element: float (float_rows in packed_matmul_tasks.h), or int8 for the integer dots.
-template <typename I, typename Weight, bool kGrouped = false, typename XT = float>
+template <typename I, typename Weight, typename Params = void, typename XT = float>
 struct WidenedFma {
   using X = XT;
   using W = Weight;
+  using P = Params;
   using Isa = I;
   using F = typename I::F;
   static constexpr int V = kVecs<I>;
-  static constexpr bool kGroups = kGrouped;
+  static constexpr bool kGroups = !std::is_void_v<Params>;
   // Whether a prompt's row tiles multiply a block widened once instead: quantized weights,
   // where widening costs more than a float32 load (bf16 measured slower so on Zen 1).
   static constexpr bool kPrewidens =
@@ -124,7 +136,7 @@ struct WidenedFma {
       I::widen_pairs(w + v * I::kLanes * kLaneElems<W>, even, odd);
   }
   // Register v's lanes of a group's [2, 32] scales and biases.
-  static void group_params(const float* group, int v, F& scale, F& bias) {
+  static void group_params(const P* group, int v, F& scale, F& bias) {
     scale = I::load(group + v * I::kLanes);
     bias = I::load(group + kBlock + v * I::kLanes);
   }
@@ -193,7 +205,7 @@ struct Tile {
   int64_t pairs;
   const float* scale_low;  // the low and high features' first scales (int8 rows), or null
   const float* scale_high;
-  const float* groups;  // Mul::kGroups: the block's [groups, 2, 32] scales and biases
+  const typename Mul::P* groups;  // Mul::kGroups: the block's [groups, 2, 32] scales, biases
   int64_t group_pairs;  // pairs per group
   const float* x_sums;  // Mul::kGroups: row 0's sums of x over each group, then row 1's, ...
   const float* x_scales;  // Mul::kIntegerDots: row 0's (int8 scale, integer sum) per group, ...
@@ -233,8 +245,8 @@ void matmul_tile(const Tile<Mul, O>& t) {
     for (int v = 0; v < V; ++v) acc[r][v] = I::zero();
   auto prefetch = [&](int64_t p) __attribute__((always_inline)) {  // ahead of pair row p
     const W* w = t.w + p * kPairElems<W>;
-    prefetch_pair<_MM_HINT_T0>(w + kPrefetchPairs * kPairElems<W>);
-    if (t.streams) prefetch_pair<_MM_HINT_T1>(w + kStreamAheadPairs * kPairElems<W>);
+    prefetch_pair<_MM_HINT_T0>(w + pairs_in<W>(kPrefetchBytes) * kPairElems<W>);
+    if (t.streams) prefetch_pair<_MM_HINT_T1>(w + pairs_in<W>(kStreamAheadBytes) * kPairElems<W>);
     if (t.next) {
       const char* line = t.next + p * t.next_bytes_per_pair;
       for (int64_t b = 0; b < t.next_bytes_per_pair; b += 64) _mm_prefetch(line + b, _MM_HINT_T1);
@@ -242,15 +254,16 @@ void matmul_tile(const Tile<Mul, O>& t) {
   };
   if constexpr (Mul::kGroups) {
     const int64_t groups = (t.pairs + t.group_pairs - 1) / t.group_pairs;
-    const float* group = t.groups;
+    const typename Mul::P* group = t.groups;
     // A streaming tile asks for the scales and biases as far ahead as for the weights, and for
-    // the next group's into L1: at 4 bits in groups of 32 a group's 256 bytes come every 512
-    // weight bytes, and a fifth of the 1-row tile's samples waited on them (Zen 4: 1.1x faster).
+    // the next group's into L1: at 4 bits in groups of 32 a group's 256 bytes (float32) come
+    // every 512 weight bytes, and a fifth of the 1-row tile's samples waited on them (Zen 4:
+    // 1.1x faster).
     const int64_t params_ahead =
-        2 * kBlock * std::max<int64_t>(1, kStreamAheadPairs / t.group_pairs);
+        2 * kBlock * std::max<int64_t>(1, pairs_in<W>(kStreamAheadBytes) / t.group_pairs);
     for (int64_t g = 0; g < groups; ++g, group += 2 * kBlock) {
       if (t.streams)
-        for (int64_t b = 0; b < 2 * kBlock * static_cast<int64_t>(sizeof(float)); b += 64) {
+        for (int64_t b = 0; b < 2 * kBlock * static_cast<int64_t>(sizeof(*group)); b += 64) {
           _mm_prefetch(reinterpret_cast<const char*>(group + params_ahead) + b, _MM_HINT_T1);
           _mm_prefetch(reinterpret_cast<const char*>(group + 2 * kBlock) + b, _MM_HINT_T0);
         }
@@ -278,7 +291,7 @@ void matmul_tile(const Tile<Mul, O>& t) {
     }
     for (int64_t p = 0; p < t.pairs; ++p) {  // the first pass pulled these lines into L2 or L1
       const W* w = t.w + p * kPairElems<W>;
-      prefetch_pair<_MM_HINT_T0>(w + kPrefetchPairs * kPairElems<W>);
+      prefetch_pair<_MM_HINT_T0>(w + pairs_in<W>(kPrefetchBytes) * kPairElems<W>);
       Mul::template accumulate_half<R, 1>(acc, pair_row(t.w, p), t.x + 2 * p, t.x_stride);
     }
   } else {

@@ -83,8 +83,13 @@ void scaled_sums(const __m256i (&wide)[R][4], const float* x_scales, int64_t x_s
   }
 }
 
-// The grouped 4-bit WidenedFma's layout, group parameters and epilogue; its own group sums.
-struct Int4Dots : WidenedFma<Native, Int4Pair, true, int8_t> {
+// The grouped 4-bit WidenedFma's layout, group parameters (P) and epilogue; its own group sums.
+template <typename P>
+struct Int4Dots : WidenedFma<Native, Int4Pair, P, int8_t> {
+  using Base = WidenedFma<Native, Int4Pair, P, int8_t>;
+  using typename Base::F;
+  using typename Base::Isa;
+  using Base::V;
   static constexpr bool kPrewidens = false;
   static constexpr bool kIntegerDots = true;
   static constexpr int kRows = 4;  // 8 int16 sums + 2 weight registers + x's pair: 16 registers
@@ -139,7 +144,12 @@ struct Int4Dots : WidenedFma<Native, Int4Pair, true, int8_t> {
 // quantized_matmul.py): a 64-byte pair row sign-extended to int16 once, then per row vpmaddwd by
 // x's feature pair, summing the pair in int32 (127 x 127 x 2 a pair: no group overflows).
 // Widening int8 to float32 costs six instructions per eight weight pairs; this, one per sixteen.
-struct Int8Dots : WidenedFma<Native, int8_t, true, int8_t> {
+template <typename P>
+struct Int8Dots : WidenedFma<Native, int8_t, P, int8_t> {
+  using Base = WidenedFma<Native, int8_t, P, int8_t>;
+  using typename Base::F;
+  using typename Base::Isa;
+  using Base::V;
   static constexpr bool kPrewidens = false;
   static constexpr bool kIntegerDots = true;
   static constexpr int kRows = 3;  // 12 int32 sums + a weight register + 3 x pairs: 16 registers
@@ -243,7 +253,11 @@ __attribute__((always_inline)) inline void vnni_sums(__m512i (&wide)[R][2], cons
 // Int4Dots with AVX512-VNNI's vpdpbusd: a quad row's four values of a feature times x's four
 // int8 values, summed into the feature's int32 lane, 64 products an instruction: the quad row
 // masked is features 0-15, shifted and masked 16-31.
-struct Int4Vnni : WidenedFma<Avx512, Int4Quads, true, int8_t> {
+template <typename P>
+struct Int4Vnni : WidenedFma<Avx512, Int4Quads, P, int8_t> {
+  using Base = WidenedFma<Avx512, Int4Quads, P, int8_t>;
+  using typename Base::F;
+  using Base::V;
   static constexpr bool kPrewidens = false;
   static constexpr bool kIntegerDots = true;
   static constexpr int kRows = 6;  // 12 int32 sums beside the tile's 12 accumulators
@@ -271,7 +285,11 @@ struct Int4Vnni : WidenedFma<Avx512, Int4Quads, true, int8_t> {
 // four values a lane from two pair rows interleaved by 16 bits (vpunpck*wd: features 0-3, 8-11,
 // 16-19, 24-27 in one register, put back in order once per group). Per row, two instructions
 // per two pair rows; vpdpwssd took four, and measured no faster than the float tiles.
-struct Int8Vnni : WidenedFma<Avx512, int8_t, true, int8_t> {
+template <typename P>
+struct Int8Vnni : WidenedFma<Avx512, int8_t, P, int8_t> {
+  using Base = WidenedFma<Avx512, int8_t, P, int8_t>;
+  using typename Base::F;
+  using Base::V;
   static constexpr bool kPrewidens = false;
   static constexpr bool kIntegerDots = true;
   static constexpr int kRows = 6;
@@ -308,14 +326,18 @@ struct Int8Vnni : WidenedFma<Avx512, int8_t, true, int8_t> {
     scaled_sums(wide, x_scales, x_scales_stride, sums);
   }
 };
-using Int4Integer = Int4Vnni;
+template <typename P>
+using Int4Integer = Int4Vnni<P>;
 using Int4Weight = Int4Quads;
-using Int8Integer = Int8Vnni;
+template <typename P>
+using Int8Integer = Int8Vnni<P>;
 constexpr bool kVnniDots = true;
 #else
-using Int4Integer = Int4Dots;
+template <typename P>
+using Int4Integer = Int4Dots<P>;
 using Int4Weight = Int4Pair;
-using Int8Integer = Int8Dots;
+template <typename P>
+using Int8Integer = Int8Dots<P>;
 constexpr bool kVnniDots = false;
 #endif
 

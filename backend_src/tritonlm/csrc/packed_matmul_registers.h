@@ -113,6 +113,9 @@ struct Avx512 {
   }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F load(const c10::Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static F load(const uint16_t* p, int64_t n) {  // bfloat16
     return widen_bf16(_mm256_maskz_loadu_epi16(first_lanes(n), p));
   }
@@ -171,6 +174,9 @@ struct Avx2 {
   }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F load(const c10::Half* p) {  // F16C: every AVX2 CPU has it
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static __m256i first_lanes(int64_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)),
                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));

@@ -19,7 +19,7 @@ struct Shape {
 // How a quantized weight's integers become its values (both null for bfloat16 weights).
 struct Dequant {
   const float* row_scales;  // [out_features]: a scale per feature, applied to its sums
-  const float* groups;      // [blocks, groups, 2, 32]: Mul::kGroups' scales and biases
+  const void* groups;       // [blocks, groups, 2, 32] of Mul::P: Mul::kGroups' scales, biases
   int64_t group_pairs;      // pairs per group (the last group may be shorter)
   const float* x_sums;      // [m, groups]: x's sum over each group
   const float* x_scales;    // [m, groups, 2]: Mul::kIntegerDots: x's int8 scales, integer sums
@@ -30,22 +30,32 @@ struct Type {
   using type = T;
 };
 
+// Block `block`'s group parameters in d.groups (null: none).
+template <typename Mul>
+const typename Mul::P* block_groups(const Dequant& d, int64_t pairs, int64_t block) {
+  if constexpr (Mul::kGroups) {
+    const int64_t groups_per_block = (pairs + d.group_pairs - 1) / d.group_pairs;
+    return static_cast<const typename Mul::P*>(d.groups) + block * groups_per_block * 2 * kBlock;
+  } else {
+    return nullptr;
+  }
+}
+
 // A block's pair rows widened and dequantized to float32 at `out` [pairs, 64], in the order
 // WidenedFma<Isa, float, ...> reads them (int8 rows keep their values: the tiles scale the sums).
 template <typename Mul>
-void prewiden(const typename Mul::W* w, int64_t pairs, const float* groups, int64_t group_pairs,
-              float* out) {
+void prewiden(const typename Mul::W* w, int64_t pairs, const typename Mul::P* groups,
+              int64_t group_pairs, float* out) {
   using I = typename Mul::Isa;
   using W = typename Mul::W;
   for (int64_t p = 0; p < pairs; ++p) {
-    prefetch_pair<_MM_HINT_T0>(w + (p + kPrefetchPairs) * kPairElems<W>);
-    const float* group = Mul::kGroups ? groups + p / group_pairs * 2 * kBlock : nullptr;
+    prefetch_pair<_MM_HINT_T0>(w + (p + pairs_in<W>(kPrefetchBytes)) * kPairElems<W>);
     for (int v = 0; v < Mul::V; ++v) {
       typename I::F even, odd;
       Mul::widen(pair_row(w, p), v, even, odd);
       if constexpr (Mul::kGroups) {
         typename I::F scale, bias;
-        Mul::group_params(group, v, scale, bias);
+        Mul::group_params(groups + p / group_pairs * 2 * kBlock, v, scale, bias);
         even = I::fma(even, scale, bias);
         odd = I::fma(odd, scale, bias);
       }
@@ -66,13 +76,11 @@ at::Tensor dense_weight(const typename Mul::W* ws, int64_t pairs, const Dequant&
   const int64_t block_elems = stored_pairs<typename Mul::W>(pairs) * kPairElems<typename Mul::W>;
   auto dense = at::empty({s.out_features, k}, at::kFloat);
   float* ds = dense.data_ptr<float>();
-  const int64_t groups_per_block = d.groups ? (pairs + d.group_pairs - 1) / d.group_pairs : 0;
   at::parallel_for(0, s.blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> widened(pairs * 2 * kBlock);
     for (int64_t b = begin; b < end; ++b) {
-      prewiden<Mul>(ws + b * block_elems, pairs,
-                    d.groups ? d.groups + b * groups_per_block * 2 * kBlock : nullptr,
-                    d.group_pairs, widened.data());
+      prewiden<Mul>(ws + b * block_elems, pairs, block_groups<Mul>(d, pairs, b), d.group_pairs,
+                    widened.data());
       for (int64_t lane = 0; lane < kBlock; ++lane) {
         const int64_t in_half = (s.gated ? 16 * b : kBlock * b) + lane % 16;
         const int64_t feature = s.gated ? in_half + (lane < 16 ? 0 : s.half) : kBlock * b + lane;
@@ -140,7 +148,7 @@ void run_tasks(const typename Mul::X* xs, int64_t x_stride, const typename Mul::
                int64_t pairs, const Dequant& d, const O* bs, O* os, const Shape& s,
                int64_t activation) {
   using W = typename Mul::W;
-  using Wide = WidenedFma<typename Mul::Isa, float, false, typename Mul::X>;
+  using Wide = WidenedFma<typename Mul::Isa, float, void, typename Mul::X>;
   const int64_t m = s.m, half = s.half, block_elems = stored_pairs<W>(pairs) * kPairElems<W>;
   const int64_t groups_per_block = d.groups ? (pairs + d.group_pairs - 1) / d.group_pairs : 0;
   const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
@@ -154,7 +162,7 @@ void run_tasks(const typename Mul::X* xs, int64_t x_stride, const typename Mul::
     const int64_t cols_high = std::min<int64_t>(16, s.out_features - low - half);
     const float* ss = d.row_scales;
     const W* w = ws + block * block_elems;
-    const float* groups = d.groups ? d.groups + block * groups_per_block * 2 * kBlock : nullptr;
+    const auto* groups = block_groups<Mul>(d, pairs, block);
     // The chunk's rows in tiles of M's rows, multiplying the block at `wm`.
     auto run_tiles = [&](auto type, const auto* wm) {
       using M = typename decltype(type)::type;
@@ -194,14 +202,19 @@ void run_tasks(const typename Mul::X* xs, int64_t x_stride, const typename Mul::
     }
     run_tiles(Type<Mul>{}, w);
   };
-  // Threads take kTasksPerGrab tasks at a time rather than a fixed half each: on a machine that
-  // also runs the server and its clients, a thread preempted mid-matmul then costs only its own
-  // share, not the other threads' wait for it. (One task per grab interleaved the threads' weight
-  // blocks and was ~8% slower on Zen 5; four keep each thread's reads contiguous as a fixed half
-  // did.)
+  // Tasks of several row tiles: threads take kTasksPerGrab tasks at a time rather than a fixed
+  // half each: on a machine that also runs the server and its clients, a thread preempted
+  // mid-matmul then costs only its own share, not the other threads' wait for it. (One task per
+  // grab interleaved the threads' weight blocks and was ~8% slower on Zen 5.) Tasks of one row
+  // tile stream their weights: a grab is a thread's even share, so that its prefetches run
+  // ahead through one contiguous range (in grabs of four they ran on into the other thread's
+  // blocks, and each grab began its stream cold: Zen 4, with the prefetch distance in bytes, the
+  // batch-1 decode step's op program of int4 SmolLM2 2.4-3.4 -> 2.1-2.3 ms, bf16's level or
+  // faster); a thread that has not begun when the other ends its share still leaves it the rest.
   const int64_t tasks = s.blocks * chunks;
   const int threads = region_threads(tasks);
-  const int64_t grab = m > kTileRows<Mul> ? even_grab(tasks, threads) : kTasksPerGrab;
+  const int64_t grab =
+      m > kTileRows<Mul> ? even_grab(tasks, threads) : (tasks + threads - 1) / threads;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #pragma omp for schedule(dynamic, grab)

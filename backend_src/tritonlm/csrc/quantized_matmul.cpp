@@ -6,7 +6,8 @@
 // - by one scale per output feature, applied once to its sums (int8 rows), or
 // - by a scale and a bias per output feature and group of input features (w = q * scale + bias:
 //   GPTQ, round-to-nearest and GGUF groups): a tile adds scale * (its sum of q * x over the
-//   group) + bias * (x's sum over the group).
+//   group) + bias * (x's sum over the group). The parameters are float32, or float16 where
+//   they are exact in it (WidenedFma's Params).
 // A prompt's row tiles share a block widened once (prewiden in packed_matmul.h), or, where the
 // caller measured float32 sgemm faster (sgemm_rows), the whole weight is dequantized once for it.
 // Below int8_rows rows, grouped weights multiply x quantized to int8 (packed_matmul_int8_dots.h).
@@ -48,22 +49,36 @@ void run_on(const typename Mul::X* xs, int64_t x_stride, const at::Tensor& packe
                     shape, -1);
 }
 
+// Calls run(Type<P>{}) with the element of the group parameters (void: none).
+template <typename Run>
+void with_params(const std::optional<at::Tensor>& groups, Run run) {
+  if (!groups)
+    run(Type<void>{});
+  else if (groups->scalar_type() == at::kHalf)
+    run(Type<c10::Half>{});
+  else
+    run(Type<float>{});
+}
+
 // Calls run(Type<WidenedFma<...>>{}) with the multiply of the packed weight's layout.
 template <typename Run>
-void with_layout(bool int4, bool grouped, Run run) {
-  if (int4)
-    run(Type<WidenedFma<Native, Int4Weight, true>>{});
-  else if (grouped)
-    run(Type<WidenedFma<Native, int8_t, true>>{});
-  else
-    run(Type<WidenedFma<Native, int8_t, false>>{});
+void with_layout(bool int4, const std::optional<at::Tensor>& groups, Run run) {
+  with_params(groups, [&](auto params) {
+    using P = typename decltype(params)::type;
+    if constexpr (std::is_void_v<P>)
+      run(Type<WidenedFma<Native, int8_t>>{});  // int8 rows (4 bits always have groups)
+    else if (int4)
+      run(Type<WidenedFma<Native, Int4Weight, P>>{});
+    else
+      run(Type<WidenedFma<Native, int8_t, P>>{});
+  });
 }
 
 Dequant dequant_of(const std::optional<at::Tensor>& row_scales,
                    const std::optional<at::Tensor>& groups, int64_t group_size,
                    const float* x_sums, const float* x_scales = nullptr) {
   return {row_scales ? row_scales->data_ptr<float>() : nullptr,
-          groups ? groups->data_ptr<float>() : nullptr, (group_size + 1) / 2, x_sums, x_scales};
+          groups ? groups->data_ptr() : nullptr, (group_size + 1) / 2, x_sums, x_scales};
 }
 
 // O: the output's element, x's (float, or bfloat16 as uint16_t).
@@ -79,10 +94,15 @@ void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4, bool int8
     const Dequant dequant =
         dequant_of(row_scales, groups, group_size, q.sums.data(), q.scales.data());
     const int8_t* values = q.values.data();
-    if (int4)
-      run_on<Int4Integer, O>(values, x.size(1), packed, pairs, dequant, bias, out, shape);
-    else
-      run_on<Int8Integer, O>(values, x.size(1), packed, pairs, dequant, bias, out, shape);
+    with_params(groups, [&](auto params) {
+      using P = typename decltype(params)::type;
+      if constexpr (!std::is_void_v<P>) {  // int8 dots always have groups
+        if (int4)
+          run_on<Int4Integer<P>, O>(values, x.size(1), packed, pairs, dequant, bias, out, shape);
+        else
+          run_on<Int8Integer<P>, O>(values, x.size(1), packed, pairs, dequant, bias, out, shape);
+      }
+    });
     return;
   }
   const FloatRows rows = float_rows(x);
@@ -90,7 +110,7 @@ void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4, bool int8
       groups ? group_sums(rows, x.size(0), x.size(1), groups->size(1), group_size)
              : std::vector<float>();
   const Dequant dequant = dequant_of(row_scales, groups, group_size, x_sums.data());
-  with_layout(int4, groups.has_value(), [&](auto type) {
+  with_layout(int4, groups, [&](auto type) {
     run_on<typename decltype(type)::type, O>(rows.data, rows.stride, packed, pairs, dequant,
                                              bias, out, shape);
   });
@@ -124,12 +144,14 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                               row_scales->is_contiguous() && row_scales->numel() == out_features),
               "quantized_matmul: row_scales must be ", out_features, " contiguous float32 values");
   const int64_t group_pairs = (group_size + 1) / 2;
-  TORCH_CHECK(!groups || (groups->scalar_type() == at::kFloat && groups->is_contiguous() &&
+  TORCH_CHECK(!groups || ((groups->scalar_type() == at::kFloat ||
+                           groups->scalar_type() == at::kHalf) && groups->is_contiguous() &&
                           groups->dim() == 4 && groups->size(0) == blocks && group_size > 0 &&
                           groups->size(1) == (pairs + group_pairs - 1) / group_pairs &&
                           (group_size % 2 == 0 || groups->size(1) == 1) &&
                           groups->size(2) == 2 && groups->size(3) == kBlock),
-              "quantized_matmul: groups must be float32 [", blocks, ", G, 2, 32]: G groups of ",
+              "quantized_matmul: groups must be float32 or float16 [", blocks,
+              ", G, 2, 32]: G groups of ",
               group_size, " (even, or one group) of the ", k, " input features");
   TORCH_CHECK(!bias || (bias->scalar_type() == dtype && bias->is_contiguous() &&
                         bias->numel() == out_features),
@@ -139,7 +161,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
   // prompts on float inputs: the weight dequantized once, sgemm
   if (!int8_dots && sgemm_rows > 0 && m >= sgemm_rows) {
     at::Tensor dense;
-    with_layout(int4, groups.has_value(), [&](auto type) {
+    with_layout(int4, groups, [&](auto type) {
       using Mul = typename decltype(type)::type;
       dense = dense_weight<Mul>(reinterpret_cast<const typename Mul::W*>(packed.data_ptr()),
                                 pairs, dequant_of(row_scales, groups, group_size, nullptr),

@@ -71,10 +71,19 @@ def rtn_layout(shape: tuple[int, ...], bits: int, group_size: int) -> Layout:
     return storage_layout(out_features, in_features, 4, -(-in_features // group_size), has_biases=True)
 
 
+def half_precision(params: torch.Tensor) -> torch.Tensor:
+    """Scales or biases rounded to float16 precision (kept in float32), where all of them fit:
+    the CPU kernel then reads them at half the bytes (layers/quantized_matmul.py), as GGUF
+    stores its own; the values are quantized against the rounded parameters."""
+    rounded = params.half()
+    return rounded.float() if bool(torch.isfinite(rounded).all()) else params
+
+
 def quantize_int8(weight: torch.Tensor) -> Storage:
-    """Symmetric per output channel: q = round(w / s) in -127..127, s = max |w| / 127."""
+    """Symmetric per output channel: q = round(w / s) in -127..127, s = max |w| / 127 (in float16
+    precision)."""
     weight = weight.float()
-    scales = weight.abs().amax(dim=1, keepdim=True) / 127
+    scales = half_precision(weight.abs().amax(dim=1, keepdim=True) / 127)
     q = torch.round(weight / torch.where(scales > 0, scales, 1)).clamp(-127, 127)
     return {"qweight": q.to(torch.int8), "scales": scales,
             "g_idx": torch.zeros(weight.shape[1], dtype=torch.int32)}
@@ -82,7 +91,8 @@ def quantize_int8(weight: torch.Tensor) -> Storage:
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> Storage:
     """Asymmetric per group of `group_size` consecutive input columns (the last group shorter when
-    it does not divide the width): w ~ q * s + min, q in 0..15, s = (max - min) / 15."""
+    it does not divide the width): w ~ q * s + min, q in 0..15, s = (max - min) / 15 (s and min
+    in float16 precision)."""
     weight = weight.float()
     out_features, in_features = weight.shape
     g_idx = torch.arange(in_features) // group_size
@@ -90,7 +100,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Storage:
     empty = torch.zeros(out_features, int(g_idx[-1]) + 1)
     low = empty.scatter_reduce(1, columns, weight, "amin", include_self=False)
     high = empty.scatter_reduce(1, columns, weight, "amax", include_self=False)
-    scales = (high - low) / 15
+    scales, low = half_precision((high - low) / 15), half_precision(low)
     q = torch.round((weight - low[:, g_idx]) / torch.where(scales > 0, scales, 1)[:, g_idx]).clamp(0, 15)
     return {"qweight": pack_int4(q), "scales": scales, "biases": low, "g_idx": g_idx.to(torch.int32)}
 
