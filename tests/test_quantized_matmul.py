@@ -275,3 +275,15 @@ def test_quantized_prompts_go_to_sgemm_where_measured_faster_unless_forced(monke
     assert rows(None) in (0, cpu_gemm.PROMPT_ROWS)
     with pytest.raises(ValueError, match="row count"):
         rows("many")
+
+
+@pytest.mark.skipif(not OURS, reason="no AVX2 + FMA: torch's kernels run")
+def test_the_kernel_refuses_group_parameters_it_cannot_read():
+    """Group parameters are float32 or float16; another dtype is a clear error, not a misread."""
+    layer = random_storage(OUT, IN, 4, 32, False, True, True)
+    layer.matmul(torch.randn(1, IN), None)
+    fused = layer.fused
+    for dtype in (torch.bfloat16, torch.float64):
+        with pytest.raises(RuntimeError, match="groups must be float32 or float16"):
+            cpu_kernels.load().quantized_matmul(torch.randn(1, IN), fused.packed, None,
+                                                fused.groups.to(dtype), 32, OUT, None, 0, 0)

@@ -95,9 +95,9 @@ TRITONLM_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // pairs uint8 [blocks, ceil(K/2), 32] (even k in the low nibble); dequantized by row_scales
   // [N] float32 (int8) or by groups [blocks, G, 2, 32] float32 or float16 (per group of
   // group_size input features, the last one shorter, a scale and a bias per packed feature:
-  // w = q * scale + bias); from sgemm_rows rows (0: never) the weight dequantized whole and multiplied by
-  // float32 sgemm; below int8_rows rows 4-bit groups multiply x quantized to int8 per row and
-  // group (w4a8); needs AVX2 + FMA (has_bf16_matmul).
+  // w = q * scale + bias); from sgemm_rows rows (0: never) the weight dequantized whole and
+  // multiplied by float32 sgemm; below int8_rows rows 4-bit groups multiply x quantized to int8
+  // per row and group (w4a8); needs AVX2 + FMA (has_bf16_matmul).
   m.def("quantized_matmul(Tensor x, Tensor packed, Tensor? row_scales, Tensor? groups, "
         "int group_size, int out_features, Tensor? bias=None, int sgemm_rows=0, "
         "int int8_rows=0, Tensor(a!)? out=None) -> Tensor");

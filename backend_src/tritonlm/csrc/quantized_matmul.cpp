@@ -151,8 +151,8 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                           (group_size % 2 == 0 || groups->size(1) == 1) &&
                           groups->size(2) == 2 && groups->size(3) == kBlock),
               "quantized_matmul: groups must be float32 or float16 [", blocks,
-              ", G, 2, 32]: G groups of ",
-              group_size, " (even, or one group) of the ", k, " input features");
+              ", G, 2, 32]: G groups of ", group_size, " (even, or one group) of the ", k,
+              " input features");
   TORCH_CHECK(!bias || (bias->scalar_type() == dtype && bias->is_contiguous() &&
                         bias->numel() == out_features),
               "quantized_matmul: bias must be ", out_features, " contiguous values of x's dtype");
