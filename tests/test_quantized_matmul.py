@@ -13,21 +13,30 @@ OUT, IN = 80, 224  # int4 groups of 64 and 128 leave a shorter last group
 OURS = getattr(cpu_kernels.load(), "has_bf16_matmul", False)  # else torch's kernels run
 
 
+def random_storage(out_features: int, in_features: int, bits: int, group_size: int | None,
+                   act_order: bool, biases: bool, half: bool) -> QuantizedWeight:
+    """A QuantizedWeight of random values, scales and biases (in float16 precision if `half`)."""
+    group_size = group_size or in_features
+    groups = -(-in_features // group_size)
+    layer = QuantizedWeight(out_features, in_features, bits, groups, biases, None)
+    if bits == 4:
+        layer.qweight.data = pack_int4(torch.randint(0, 16, (out_features, in_features)))
+    else:
+        layer.qweight.data = torch.randint(-127, 128, (out_features, in_features),
+                                           dtype=torch.int8)
+    precision = (lambda t: t.half().float()) if half else (lambda t: t)
+    layer.scales.data = precision(torch.rand(out_features, groups) * 0.02 + 0.001)
+    if biases:
+        layer.biases.data = precision(torch.randn(out_features, groups) * 0.1)
+    g_idx = torch.arange(in_features) // group_size
+    layer.g_idx.data = (g_idx[torch.randperm(in_features)] if act_order else g_idx).int()
+    return layer
+
+
 def storage(bits: int, group_size: int, act_order: bool = False, biases: bool = True,
             rows: int = OUT) -> QuantizedWeight:
-    """A QuantizedWeight holding random values, scales and biases."""
-    groups = -(-IN // group_size)
-    layer = QuantizedWeight(rows, IN, bits, groups, biases, None)
-    if bits == 4:
-        layer.qweight.data = pack_int4(torch.randint(0, 16, (rows, IN)))
-    else:
-        layer.qweight.data = torch.randint(-127, 128, (rows, IN), dtype=torch.int8)
-    layer.scales.data = torch.rand(rows, groups) * 0.02 + 0.001
-    if biases:
-        layer.biases.data = torch.randn(rows, groups) * 0.1
-    g_idx = torch.arange(IN) // group_size
-    layer.g_idx.data = (g_idx[torch.randperm(IN)] if act_order else g_idx).to(torch.int32)
-    return layer
+    """random_storage of IN input features, its parameters in float32."""
+    return random_storage(rows, IN, bits, group_size, act_order, biases, half=False)
 
 
 def reference(layer: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -114,26 +123,6 @@ LAYOUTS = {
     "int4-g16-symmetric": (4, 16, False, False, False),
     "int4-one-group": (4, None, False, True, False),
 }
-
-
-def random_storage(out_features: int, in_features: int, bits: int, group_size: int | None,
-                   act_order: bool, biases: bool, half: bool) -> QuantizedWeight:
-    """A QuantizedWeight of random values, scales and biases (in float16 precision if `half`)."""
-    group_size = group_size or in_features
-    groups = -(-in_features // group_size)
-    layer = QuantizedWeight(out_features, in_features, bits, groups, biases, None)
-    if bits == 4:
-        layer.qweight.data = pack_int4(torch.randint(0, 16, (out_features, in_features)))
-    else:
-        layer.qweight.data = torch.randint(-127, 128, (out_features, in_features),
-                                           dtype=torch.int8)
-    precision = (lambda t: t.half().float()) if half else (lambda t: t)
-    layer.scales.data = precision(torch.rand(out_features, groups) * 0.02 + 0.001)
-    if biases:
-        layer.biases.data = precision(torch.randn(out_features, groups) * 0.1)
-    g_idx = torch.arange(in_features) // group_size
-    layer.g_idx.data = (g_idx[torch.randperm(in_features)] if act_order else g_idx).int()
-    return layer
 
 
 def assert_packed_params(layer: QuantizedWeight, half: bool) -> None:
