@@ -1,7 +1,8 @@
 """The batched sampler: greedy, temperature, top-k, top-p and seeds, per row."""
+import pytest
 import torch
 
-from tritonlm.layers.sampler import SamplingTensors, sample, uniform_noise
+from tritonlm.layers.sampler import SamplingTensors, argmax_tokens, sample, uniform_noise
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
 CHI2_DF7_P001 = 24.32  # chi-square critical value, 7 degrees of freedom, p = 0.001
@@ -51,6 +52,15 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     temperature = torch.tensor([0, 1, 0, 1, 0, 1], dtype=torch.float32)
     out = sample(logits, tensors(6, temperature=temperature)).tokens
     assert torch.equal(out[::2], logits[::2].argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_tokens_is_torchs_argmax(dtype):
+    """A draft model's tokens (argmax_tokens: the fused kernel where it runs) for contiguous and
+    strided rows of a SmolLM2-sized vocabulary."""
+    logits = torch.randn(5, 49152, generator=torch.Generator().manual_seed(3)).to(dtype)
+    for rows in (logits, logits[::2], logits[:, :1000]):
+        assert torch.equal(argmax_tokens(rows), rows.argmax(dim=-1))
 
 
 def test_top_k_never_emits_excluded_tokens():

@@ -11,7 +11,7 @@ import torch
 from tritonlm.engine.decode_graphs import DecodeGraphs
 from tritonlm.engine.sampling_inputs import SamplingInputs
 from tritonlm.engine.step_plan import SampledToken, ScheduledChunk, StepPlan
-from tritonlm.layers.sampler import SamplerOutput, sample
+from tritonlm.layers.sampler import SamplerOutput, argmax_tokens, sample
 
 # The steps of a run on CUDA when engine.json leaves num_scheduler_steps unset: enough to hide
 # the host's share of a step (~1.5 ms against a 4-6 ms 8B decode step on an H100 / H200) while a
@@ -33,6 +33,17 @@ def decode_run(graphs: DecodeGraphs, model, sampling_inputs: SamplingInputs,
         outputs.append(sample(logits, tensors))
         tokens = outputs[-1].tokens
     return outputs
+
+
+def greedy_run(graphs: DecodeGraphs, model, chunks: list[ScheduledChunk],
+               num_steps: int) -> torch.Tensor:
+    """[num_steps, len(chunks)]: a decode run's argmax tokens, for rows that need no sampling
+    tensors (a draft model's: greedy, no logprobs), each step's the next one's input."""
+    steps, tokens = [], None
+    for step in range(num_steps):
+        tokens = argmax_tokens(model.compute_logits(graphs.run(chunks, step, tokens)))
+        steps.append(tokens)
+    return torch.stack(steps)
 
 
 def verification_plan(plan: StepPlan) -> tuple[StepPlan, list[int]]:

@@ -58,27 +58,49 @@ class DraftModelProposer:
                   for seq, limit in zip(seqs, limits)}
         active = [self._synced(seq) for seq in seqs if limits[seq.seq_id] > 0]
         drafts = {mirror.seq_id: [] for mirror in active}
+        plan = StepPlan([self._catch_up(mirror) for mirror in active])
         while active:
-            # NOTE: the cache holds every mirror at its longest (see __init__): grow never fails.
-            plan = StepPlan()
-            for mirror in active:
-                new = mirror.num_uncomputed_tokens
-                self.blocks.grow(mirror, new)
-                # A few tokens to catch up on (the target kept every proposal, then drew one)
-                # run as decode rows, as the target verifies: the decode kernels and programs
-                # rather than an eager prefill step; the token drawn after the last is the one.
-                rows = new - 1 if new <= self.num_tokens + 1 else 0
-                plan.chunks.append(ScheduledChunk(
-                    mirror.seq_id, mirror.token_ids[mirror.num_computed_tokens:],
-                    mirror.num_computed_tokens, list(mirror.block_table), _GREEDY,
-                    mirror.num_prompt_tokens, track_tokens=False, num_draft_tokens=rows))
-            sampled = self.runner.execute(plan).sampled
-            for mirror, chunk in zip(active, plan.chunks):
-                mirror.num_computed_tokens = mirror.num_tokens
-                mirror.token_ids.append(sampled[chunk.num_draft_tokens][mirror.seq_id].token)
-                drafts[mirror.seq_id].append(mirror.token_ids[-1])
+            steps = self.runner.greedy_tokens(plan)
+            for i, mirror in enumerate(active):
+                tokens = [step[i] for step in steps]
+                # KV is now computed for the tokens the run fed: all but its last proposal.
+                mirror.num_computed_tokens = mirror.num_tokens + len(tokens) - 1
+                mirror.token_ids += tokens
+                drafts[mirror.seq_id] += tokens
             active = [m for m in active if len(drafts[m.seq_id]) < limits[m.seq_id]]
+            if active:
+                plan = self._decode_run(active, min(limits[m.seq_id] - len(drafts[m.seq_id])
+                                                    for m in active))
         return drafts
+
+    def _catch_up(self, mirror: Sequence) -> ScheduledChunk:
+        """The first step of a proposal: the mirror's tokens not computed yet, then its first
+        proposal."""
+        # NOTE: the cache holds every mirror at its longest (see __init__): grow never fails.
+        new = mirror.num_uncomputed_tokens
+        self.blocks.grow(mirror, new)
+        # A few tokens to catch up on (the target kept every proposal, then drew one) run as
+        # decode rows, as the target verifies: the decode kernels and programs rather than an
+        # eager prefill step; the token drawn after the last is the one.
+        rows = new - 1 if new <= self.num_tokens + 1 else 0
+        return ScheduledChunk(mirror.seq_id, mirror.token_ids[mirror.num_computed_tokens:],
+                              mirror.num_computed_tokens, list(mirror.block_table), _GREEDY,
+                              mirror.num_prompt_tokens, track_tokens=False,
+                              num_draft_tokens=rows)
+
+    def _decode_run(self, active: list[Sequence], steps: int) -> StepPlan:
+        """The next `steps` proposals of `active` (each with only its last token uncomputed) as
+        one decode run: each step's argmax is the next one's input without the host reading it
+        in between (one step where the draft has no decode graphs to run it)."""
+        if self.runner.decode_graphs is None:
+            steps = 1
+        chunks = []
+        for mirror in active:
+            self.blocks.grow(mirror, steps)
+            chunks.append(ScheduledChunk(mirror.seq_id, mirror.token_ids[-1:],
+                                         mirror.num_computed_tokens, list(mirror.block_table),
+                                         _GREEDY, mirror.num_prompt_tokens, track_tokens=False))
+        return StepPlan(chunks, num_steps=steps)
 
     def release(self, seq_id: int) -> None:
         mirror = self.mirrors.pop(seq_id, None)

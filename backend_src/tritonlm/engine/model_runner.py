@@ -11,8 +11,8 @@ from tritonlm.distributed import parallel_state
 from tritonlm.distributed.ranks import RankGroup
 from tritonlm.engine.auto_dtype import resolve_dtype, resolve_int8_activations
 from tritonlm.engine.decode_graphs import DecodeGraphs, batch_buckets, program_buckets
-from tritonlm.engine.decode_run import (CUDA_DECODE_RUN, decode_run, sampled_tokens,
-                                        verification_plan)
+from tritonlm.engine.decode_run import (CUDA_DECODE_RUN, decode_run, greedy_run,
+                                        sampled_tokens, verification_plan)
 from tritonlm.engine.kv_cache_sizing import (GIB, cuda_kv_cache_budget, most_blocks_in_use,
                                              profile_steps)
 from tritonlm.engine.lora_registry import read_registry
@@ -27,7 +27,7 @@ from tritonlm.layers.attention import (PagedAttention, PagedKernels, cache_block
 from tritonlm.layers.attention_metadata import AttentionSpec
 from tritonlm.layers.kv_cache import KVCache
 from tritonlm.layers.quantization import QuantizedWeight
-from tritonlm.layers.sampler import sample
+from tritonlm.layers.sampler import argmax_tokens, sample
 from tritonlm.layers.token_counts import TokenCounts
 from tritonlm.models.loader import load_model
 
@@ -286,6 +286,20 @@ class ModelRunner:
             return StepResult()
         return StepResult(self._sample(plan, hidden, sample_index, positions),
                           prompt_logprobs(self.model, plan.chunks, hidden))
+
+    @torch.inference_mode()
+    def greedy_tokens(self, plan: StepPlan) -> list[list[int]]:
+        """A draft model's step or decode run, every chunk sampling greedily with no logprobs,
+        penalties or constraints (a single step's chunks may end in draft rows): per step, each
+        chunk's argmax after its last token. No sampling tensors are built for it."""
+        if plan.num_steps > 1:
+            self._forward_setup(plan)
+            return greedy_run(self.decode_graphs, self.model, plan.chunks,
+                              plan.num_steps).tolist()
+        plan, positions = verification_plan(plan)
+        hidden, sample_index = self._forward(plan)
+        ends = [i for i, after in enumerate(positions[1:] + [0]) if after == 0]
+        return [argmax_tokens(self.model.compute_logits(hidden[sample_index[ends]])).tolist()]
 
     def _forward_setup(self, plan: StepPlan) -> None:
         if self.is_driver:

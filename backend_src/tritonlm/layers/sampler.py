@@ -124,6 +124,15 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
                           t.num_logprobs)
 
 
+def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits [S, V] -> each row's most likely token, through the fused kernel where it runs
+    (torch's argmax over bfloat16 logits took a CPU 0.2 ms a row of SmolLM2's 49152)."""
+    kernels = fused_ops.for_tensor(logits)
+    if kernels is not None and logits.stride(-1) == 1:
+        return kernels.argmax_logsumexp(logits)[0]
+    return logits.argmax(dim=-1)
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Token bitmasks [C, ceil(V / 32)] int32 (bit t % 32 of word t // 32) as bools [C, V]."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
