@@ -23,6 +23,8 @@ def hf_generate(model, prompt, **kwargs):
 
 
 def test_logprobs_equal_log_softmax_of_transformers_logits(smollm2_llm, smollm2_hf, chat_prompt):
+    # greedy rows without logprobs first: the engine keeps their sampling tensors per row count
+    smollm2_llm.generate([chat_prompt], SamplingParams(temperature=0, max_tokens=2))
     out, = smollm2_llm.generate([chat_prompt], SamplingParams(temperature=0, max_tokens=12,
                                                               logprobs=5, ignore_eos=True))
     ids = torch.tensor([chat_prompt + out.token_ids])
