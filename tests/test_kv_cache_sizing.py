@@ -79,7 +79,7 @@ def test_profile_steps_run_through_the_model_and_leave_the_engine_as_it_was(
 
 @pytest.mark.parametrize("family, speculative, blocks_per_seq", [
     (_tiny_llama, None, 4),  # 64 tokens in blocks of 16
-    (_tiny_llama, "ngram", 5),  # and a verification step's 4 lookahead slots
+    (_tiny_llama, "ngram", 5),  # and a verification step's 8 lookahead slots (ngram's K)
     (_tiny_t5, None, 8)])  # and as many again for the encoder's K/V
 def test_a_cache_the_memory_would_oversize_holds_what_its_sequences_can_use(
         tmp_path, smollm2_tokenizer, family, speculative, blocks_per_seq):

@@ -18,6 +18,16 @@ KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model dtype
 QUANTIZED_ACTIVATIONS = ("auto", "float", "int8")
 
 
+# num_speculative_tokens where engine.json leaves it unset, by proposer. SmolLM2 at batch 1 on 2
+# Zen 4 cores (tritonlm-bench --rounds 3): prompt lookup on the grounded workload, K = 4 / 6 / 8,
+# TPOT 1.76x / 2.02x / 2.21x lower (a sequence proposes at most twice what it last kept, plus two,
+# so where nothing is copied a long K costs little); its int4 copy as the draft on chat, K = 3 /
+# 5 / 8: 6.6-7.1 / 5.7-6.2 / 6.5 ms a token (the draft's steps after its first run as one decode
+# run).
+NGRAM_SPECULATIVE_TOKENS = 8
+DRAFT_SPECULATIVE_TOKENS = 5
+
+
 @dataclass
 class EngineConfig:
     # "auto": the fastest where the engine loads (engine/auto_dtype.py)
@@ -55,7 +65,7 @@ class EngineConfig:
     # than speculative_disable_by_batch_size sequences run (above that, a step is bound by
     # compute, not by reading the weights).
     speculative: str | None = None
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | None = None  # None: the proposer's (speculative_tokens)
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     speculative_disable_by_batch_size: int = 8
@@ -148,15 +158,24 @@ class EngineConfig:
         return (self.max_input_tokens if self.max_input_tokens is not None
                 else self.total_token_limit - 1)
 
+    @property
+    def speculative_tokens(self) -> int:
+        """num_speculative_tokens, or where unset the proposer's default."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        return NGRAM_SPECULATIVE_TOKENS if self.speculative == "ngram" else DRAFT_SPECULATIVE_TOKENS
+
     def _check_speculative(self) -> None:
         if self.speculative is not None and not (isinstance(self.speculative, str)
                                                  and self.speculative.strip()):
             raise ValueError(f"speculative must be null, \"ngram\" or a draft model's "
                              f"repository, got {self.speculative!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_min",
-                     "speculative_disable_by_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, value in (("num_speculative_tokens", self.speculative_tokens),
+                            ("prompt_lookup_min", self.prompt_lookup_min),
+                            ("speculative_disable_by_batch_size",
+                             self.speculative_disable_by_batch_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= "
                              f"prompt_lookup_min ({self.prompt_lookup_min})")

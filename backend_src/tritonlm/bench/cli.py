@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--speculative", metavar="ngram|DRAFT_REPO",
                       help="also time the engine with this speculation (prompt lookup, or a "
                            "converted draft model REPO/NAME), beside the one without")
-    spec.add_argument("--num-speculative-tokens", type=_positive, default=4, metavar="K")
+    spec.add_argument("--num-speculative-tokens", type=_positive, metavar="K",
+                      help="default: the engine's for the proposer (ngram 8, a draft model 5)")
     lora = p.add_argument_group("LoRA adapters (offline)")
     lora.add_argument("--lora", type=_positive, metavar="N",
                       help="also run the engine serving N random adapters on every linear "

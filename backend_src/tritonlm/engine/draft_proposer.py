@@ -33,7 +33,7 @@ class DraftModelProposer:
         if draft_tokenizer_vocab != tokenizer.get_vocab():
             raise ValueError(f"the draft model {draft_dir} has another vocabulary than the "
                              "target's: it cannot propose the target's tokens")
-        self.num_tokens = config.num_speculative_tokens
+        self.num_tokens = config.speculative_tokens
         self.max_len = min(config.max_model_len, context_limit(hf_config))
         draft = EngineConfig.load(draft_dir, device=config.device, max_model_len=self.max_len,
                                   max_num_seqs=config.speculative_disable_by_batch_size,

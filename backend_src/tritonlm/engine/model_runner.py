@@ -160,7 +160,7 @@ class ModelRunner:
         if budget < per_block:
             raise ValueError(f"{source} holds no {per_block}-byte KV block")
         config = self.config
-        lookahead = config.num_speculative_tokens if config.speculative else 0
+        lookahead = config.speculative_tokens if config.speculative else 0
         most = most_blocks_in_use(config.max_num_seqs, config.max_model_len, self.block_size,
                                   lookahead, self.encoder_decoder)
         num_blocks = min(budget // per_block, most)

@@ -28,10 +28,10 @@ def make_proposer(config: EngineConfig, model_dir: Path, tokenizer) -> Proposer 
     if config.speculative is None:
         return None
     logger.info("speculative decoding: %s, up to %d tokens a step, while fewer than %d "
-                "sequences run", config.speculative, config.num_speculative_tokens,
+                "sequences run", config.speculative, config.speculative_tokens,
                 config.speculative_disable_by_batch_size)
     if config.speculative == "ngram":
-        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+        return NgramProposer(config.speculative_tokens, config.prompt_lookup_min,
                              config.prompt_lookup_max)
     from tritonlm.engine.draft_proposer import DraftModelProposer
     return DraftModelProposer(model_dir / config.speculative, config, tokenizer)

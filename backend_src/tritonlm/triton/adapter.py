@@ -52,7 +52,7 @@ class TritonPythonModel:
             self.model_name, args["model_version"], self.engine.max_model_len,
             {"dtype": config.dtype, "kv_cache_dtype": config.kv_cache_dtype,
              "device": str(self.engine.runner.device),
-             "speculate": str(config.num_speculative_tokens if config.speculative else 0),
+             "speculate": str(config.speculative_tokens if config.speculative else 0),
              "max_concurrent_requests": str(config.max_concurrent_requests),
              "max_input_tokens": str(self.engine.request_builder.max_input_tokens),
              "max_total_tokens": str(config.total_token_limit),

@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
                                   "while the batch is small; or a converted draft model "
                                   "(REPO/NAME) with this model's vocabulary (default: off)")
     speculation.add_argument("--num-speculative-tokens", type=int, metavar="K",
-                             help="tokens proposed per sequence and step (default: 4)")
+                             help="tokens proposed per sequence and step (default: 8 for ngram, 5 for "
+                                  "a draft model)")
     adapters = parser.add_argument_group("LoRA adapters (PEFT directories)")
     adapters.add_argument("--lora", action="append", type=parse_lora, default=[],
                           metavar="NAME=PATH", help="serve this adapter as NAME (repeatable)")
