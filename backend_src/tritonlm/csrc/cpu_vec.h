@@ -11,7 +11,7 @@
 #define CPU_CAPABILITY_AVX2
 #endif
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

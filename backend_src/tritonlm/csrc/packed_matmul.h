@@ -340,11 +340,14 @@ template <typename Mul>
 constexpr int kTileRows = tile_rows<Mul>();
 template <typename Mul>
 constexpr auto kRowCounts = std::make_integer_sequence<int, kTileRows<Mul>>{};
-// [activation + 1][rows - 1]; activations only on bfloat16 outputs
-template <typename Mul, typename O>
-constexpr std::array<std::array<TileFn<Mul, O>, kTileRows<Mul>>, 3> kTiles = {
-    tile_table<Mul, O, -1>(kRowCounts<Mul>), tile_table<Mul, O, 0>(kRowCounts<Mul>),
-    tile_table<Mul, O, 1>(kRowCounts<Mul>)};
+// [rows - 1]: the tiles applying activation kAct (-1: none)
+template <typename Mul, typename O, int kAct>
+constexpr std::array<TileFn<Mul, O>, kTileRows<Mul>> kTiles =
+    tile_table<Mul, O, kAct>(kRowCounts<Mul>);
+// Whether Mul's tiles may apply an activation: a gated bfloat16 weight's (bf16_matmul.cpp), on
+// bfloat16 outputs. The other weights' tiles are built without, a third of the tiles.
+template <typename Mul>
+constexpr bool kActivates = std::is_same_v<typename Mul::W, uint16_t>;
 
 }  // namespace packed_matmul
 }  // namespace tritonlm

@@ -175,7 +175,10 @@ void run_tasks(const typename Mul::X* xs, int64_t x_stride, const typename Mul::
       constexpr int64_t kPairBytes = kPairElems<W> * sizeof(W);
       const int64_t next_per_pair =
           fetch_next ? (kPairBytes + row_tiles - 2) / (row_tiles - 1) : 0;
-      const auto& tiles = kTiles<M, O>[activation + 1];
+      const TileFn<M, O>* tiles = kTiles<M, O, -1>.data();
+      if constexpr (kActivates<M>) {
+        if (activation >= 0) tiles = activation ? kTiles<M, O, 1>.data() : kTiles<M, O, 0>.data();
+      }
       for (int64_t i = 0, r = row0, n; i < row_tiles; ++i, r += n) {
         n = rows / row_tiles + (i < rows % row_tiles);  // 32 rows by 6: 6, 6, 5, 5, 5, 5
         O* out_row = os + r * s.out_cols;
