@@ -149,6 +149,8 @@ void run_tasks(const typename Mul::X* xs, int64_t x_stride, const typename Mul::
                int64_t activation) {
   using W = typename Mul::W;
   using Wide = WidenedFma<typename Mul::Isa, float, void, typename Mul::X>;
+  TORCH_CHECK(activation < 0 || kActivates<Mul>, "packed matmul: an activation on a weight "
+              "whose tiles apply none");
   const int64_t m = s.m, half = s.half, block_elems = stored_pairs<W>(pairs) * kPairElems<W>;
   const int64_t groups_per_block = d.groups ? (pairs + d.group_pairs - 1) / d.group_pairs : 0;
   const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
