@@ -12,7 +12,7 @@ import pytest
 from tritonlm.layers import cpu_kernels
 
 KERNEL_TESTS = ["test_cpu_gemm.py", "test_cpu_kernels_fused.py", "test_cpu_kernels_prefill.py",
-                "test_decode_attention_kernels.py", "test_quantized_matmul.py"]
+                "test_decode_attention_kernels.py", "test_quantized_matmul.py", "test_shortlist_head.py"]
 
 
 @pytest.mark.parametrize("switch,flag,attribute,value,tests", [  # the build's attribute says

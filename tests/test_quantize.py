@@ -13,11 +13,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from family_check import random_prompts, reference_greedy, save_tiny
 from tritonlm import LLM, SamplingParams
 from tritonlm.config import WEIGHTS_DIR, EngineConfig
-from tritonlm.layers.quantization import dequantize, pack_int4, unpack_int4
+from tritonlm.layers.quantization import (dequantize, pack_int4, quantize_int4, quantize_int8,
+                                          unpack_int4)
 from tritonlm_convert.cli import main
 from tritonlm_convert.convert import convert, open_source
 from tritonlm_convert.errors import ConversionError
-from tritonlm_convert.quantize import quantize_int4, quantize_int8
 
 NEW_TOKENS = 24
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

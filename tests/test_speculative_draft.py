@@ -2,13 +2,16 @@
 the target's vocabulary proposes its greedy tokens from its own paged KV cache. Outputs must be
 transformers' (greedy) and the engine's without speculation (sampled); the target itself as the
 draft must have every proposal kept (its KV copy of each sequence stays right as the target keeps
-some proposals and draws others); both caches end empty."""
+some proposals and draws others, and its head's shortlist picks the head's own argmax); both
+caches end empty."""
 import pytest
 
 from conftest import hf_greedy, run_convert
 from family_check import random_prompts, reference_greedy, tiny_llama
 from test_speculative import TASKS, assert_all_blocks_free, counters, repeating_prompts
 from tritonlm import LLM, SamplingParams
+from tritonlm.layers import cpu_kernels
+from tritonlm.layers.shortlist_head import ShortlistHead
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +27,12 @@ def speculating(repo, draft, **settings) -> LLM:
     return LLM(str(repo), **{"speculative": str(draft), "num_speculative_tokens": 3,
                              "speculative_disable_by_batch_size": 16, "block_size": 8,
                              **settings})
+
+
+def assert_shortlist_head(llm: LLM) -> None:
+    """The draft's greedy tokens come through its head's shortlist where the kernels run."""
+    if cpu_kernels.load() is not None:
+        assert isinstance(llm.engine.scheduler.proposer.runner.greedy_head, ShortlistHead)
 
 
 def assert_draft_cache_empty(llm: LLM) -> None:
@@ -42,6 +51,7 @@ def test_the_target_as_its_own_draft_has_every_proposal_kept(tiny):
                                               for p, n in zip(prompts, lengths)]
     drafted, accepted = counters(llm)
     assert drafted == accepted > sum(lengths) / 2
+    assert_shortlist_head(llm)
     assert_all_blocks_free(llm)
     assert_draft_cache_empty(llm)
 
@@ -97,4 +107,5 @@ def test_smollm2_with_its_int4_copy_as_draft(smollm2_repo, smollm2_hf, tmp_path_
     assert [o.token_ids for o in outputs] == [hf_greedy(smollm2_hf, p, 32) for p in prompts]
     drafted, accepted = counters(llm)
     assert accepted > drafted / 2, (accepted, drafted)
+    assert_shortlist_head(llm)
     assert_draft_cache_empty(llm)

@@ -27,6 +27,8 @@ at::Tensor act_and_mul(const at::Tensor& x, int64_t activation,
                        const std::optional<at::Tensor>& out);
 void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits);
+at::Tensor shortlist_argmax(const at::Tensor& approx, const at::Tensor& hidden,
+                            const at::Tensor& head, int64_t k);
 void write_kv_(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& k,
                const at::Tensor& v, const at::Tensor& rows);
 at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
@@ -79,6 +81,9 @@ TRITONLM_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   // Per row of logits [S, V]: the first index of the maximum (int64) and logsumexp (float32).
   m.def("argmax_logsumexp(Tensor logits) -> (Tensor, Tensor)");
+  // Per row: of the k tokens with the largest approx [S, V] (the first k ids among equals), the
+  // one whose row of head [V, D] has the largest dot product with hidden [S, D] (int64).
+  m.def("shortlist_argmax(Tensor approx, Tensor hidden, Tensor head, int k) -> Tensor");
   // Copies k and v [N, Hkv, D] (features contiguous) to rows [N * Hkv] (token-major) of the
   // caches viewed as [R, D].
   m.def("write_kv_(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor k, Tensor v, "
@@ -118,6 +123,7 @@ TRITONLM_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("act_and_mul", &act_and_mul);
   m.impl("rotary_", &rotary_);
   m.impl("argmax_logsumexp", &argmax_logsumexp);
+  m.impl("shortlist_argmax", &shortlist_argmax);
   m.impl("write_kv_", &write_kv_);
   m.impl("bf16_matmul", &bf16_matmul);
   m.impl("quantized_matmul", &quantized_matmul);

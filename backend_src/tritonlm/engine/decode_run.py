@@ -5,13 +5,14 @@ reads any token, so the device goes from one step to the next without waiting fo
 schedule, sample and fill inputs in between (what vLLM's multi-step scheduling does); the host
 reads all the run's tokens at once after."""
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
 from tritonlm.engine.decode_graphs import DecodeGraphs
 from tritonlm.engine.sampling_inputs import SamplingInputs
 from tritonlm.engine.step_plan import SampledToken, ScheduledChunk, StepPlan
-from tritonlm.layers.sampler import SamplerOutput, argmax_tokens, sample
+from tritonlm.layers.sampler import SamplerOutput, sample
 
 # The steps of a run on CUDA when engine.json leaves num_scheduler_steps unset: enough to hide
 # the host's share of a step (~1.5 ms against a 4-6 ms 8B decode step on an H100 / H200) while a
@@ -35,13 +36,14 @@ def decode_run(graphs: DecodeGraphs, model, sampling_inputs: SamplingInputs,
     return outputs
 
 
-def greedy_run(graphs: DecodeGraphs, model, chunks: list[ScheduledChunk],
-               num_steps: int) -> torch.Tensor:
-    """[num_steps, len(chunks)]: a decode run's argmax tokens, for rows that need no sampling
-    tensors (a draft model's: greedy, no logprobs), each step's the next one's input."""
+def greedy_run(graphs: DecodeGraphs, greedy_head: Callable[[torch.Tensor], torch.Tensor],
+               chunks: list[ScheduledChunk], num_steps: int) -> torch.Tensor:
+    """[num_steps, len(chunks)]: a decode run's greedy tokens (`greedy_head`: hidden states ->
+    tokens), for rows that need no sampling tensors (a draft model's: no logprobs), each step's
+    the next one's input."""
     steps, tokens = [], None
     for step in range(num_steps):
-        tokens = argmax_tokens(model.compute_logits(graphs.run(chunks, step, tokens)))
+        tokens = greedy_head(graphs.run(chunks, step, tokens))
         steps.append(tokens)
     return torch.stack(steps)
 

@@ -41,7 +41,7 @@ class DraftModelProposer:
         # Its cache holds every speculating sequence at its longest.
         draft.num_kv_blocks = most_blocks_in_use(config.speculative_disable_by_batch_size,
                                                  self.max_len, draft.block_size, self.num_tokens)
-        self.runner = ModelRunner(draft, hf_config, weights)
+        self.runner = ModelRunner(draft, hf_config, weights, draft=True)
         self.blocks = BlockManager(self.runner.num_blocks, draft.block_size, False)
         # The draft's copy of each speculating sequence: the target's tokens, then its own
         # proposals; its KV is computed for a prefix of them.

@@ -28,6 +28,7 @@ from tritonlm.layers.attention_metadata import AttentionSpec
 from tritonlm.layers.kv_cache import KVCache
 from tritonlm.layers.quantization import QuantizedWeight
 from tritonlm.layers.sampler import argmax_tokens, sample
+from tritonlm.layers.shortlist_head import SHORTLIST, shortlist_head
 from tritonlm.layers.token_counts import TokenCounts
 from tritonlm.models.loader import load_model
 
@@ -45,10 +46,11 @@ def resolve_device(name: str, rank: int = 0) -> torch.device:
 
 class ModelRunner:
     """Runs steps on this rank. Rank 0 (the driver) sends each plan to the other ranks first and
-    samples after; the others run the model forward only."""
+    samples after; the others run the model forward only. A draft model's runner (`draft`) only
+    gives greedy tokens (greedy_tokens), through its head's shortlist where one runs."""
 
     def __init__(self, config: EngineConfig, hf_config, weights_dir: Path,
-                 ranks: RankGroup | None = None):
+                 ranks: RankGroup | None = None, draft: bool = False):
         tp = parallel_state.current()
         self.config = config
         self.ranks = ranks
@@ -64,12 +66,19 @@ class ModelRunner:
         self.adapters = read_registry(weights_dir.parent, config.max_lora_rank)
         self.lora = self._lora_slots(hf_config) if self.adapters else None
         quantized = [m for m in self.model.modules() if isinstance(m, QuantizedWeight)]
-        if quantized:  # settled (and logged) only for a model that has quantized weights
-            int8_inputs = resolve_int8_activations(config.quantized_activations, self.device)
-            for weight in quantized:
-                weight.int8_inputs = int8_inputs
-        for module in self.model.modules():
-            if hasattr(module, "prepack_for_cpu"):
+        # settled (and logged) only for a model that has quantized weights or a shortlist
+        int8_inputs = (resolve_int8_activations(config.quantized_activations, self.device)
+                       if quantized or draft else False)
+        for weight in quantized:
+            weight.int8_inputs = int8_inputs
+        shortlist = (shortlist_head(self.model, self.dtype, int8_inputs)
+                     if draft and self.device.type == "cpu" else None)
+        if shortlist is not None:
+            logger.info("greedy head: the best %d tokens of a 4-bit copy, rescored on the float "
+                        "head", SHORTLIST)
+        self.greedy_head = shortlist or self._argmax_head
+        for module in self.model.modules():  # the model's own: its head, which a shortlist replaces
+            if hasattr(module, "prepack_for_cpu") and not (shortlist and module is self.model):
                 module.prepack_for_cpu(config.max_num_seqs)
         self.use_flash = (flash_attention_usable(self.device, self.dtype, self.block_size,
                                                  config.kv_cache_dtype)
@@ -294,12 +303,15 @@ class ModelRunner:
         chunk's argmax after its last token. No sampling tensors are built for it."""
         if plan.num_steps > 1:
             self._forward_setup(plan)
-            return greedy_run(self.decode_graphs, self.model, plan.chunks,
+            return greedy_run(self.decode_graphs, self.greedy_head, plan.chunks,
                               plan.num_steps).tolist()
         plan, positions = verification_plan(plan)
         hidden, sample_index = self._forward(plan)
         ends = [i for i, after in enumerate(positions[1:] + [0]) if after == 0]
-        return [argmax_tokens(self.model.compute_logits(hidden[sample_index[ends]])).tolist()]
+        return [self.greedy_head(hidden[sample_index[ends]]).tolist()]
+
+    def _argmax_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return argmax_tokens(self.model.compute_logits(hidden))
 
     def _forward_setup(self, plan: StepPlan) -> None:
         if self.is_driver:

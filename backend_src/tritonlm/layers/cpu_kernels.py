@@ -1,7 +1,7 @@
 """tritonlm's C++ CPU kernels (csrc/): paged decode attention, which reads K/V blocks where they
 lie in the cache with a streaming softmax, fused per-token ops (RMSNorm with its residual add,
-activation-times-up, rotary embeddings, greedy argmax with the log-normaliser), and the write of
-a step's K/V rows into the cache.
+activation-times-up, rotary embeddings, greedy argmax with the log-normaliser, a draft head's
+shortlist argmax), and the write of a step's K/V rows into the cache.
 
 Built once with torch.utils.cpp_extension (needs ninja and a C++ compiler) into
 $TRITONLM_KERNEL_DIR (default ~/.cache/tritonlm/kernels/<torch version>), in a folder named by a
@@ -67,7 +67,8 @@ class Kernels:
     modes see them: engine/op_programs.py records them), and the module's CPU features and
     OpProgram."""
     OPS = ("decode_attention", "prefill_attention", "rms_norm", "act_and_mul", "rotary_",
-           "argmax_logsumexp", "write_kv_", "bf16_matmul", "quantized_matmul", "lora_add_")
+           "argmax_logsumexp", "shortlist_argmax", "write_kv_", "bf16_matmul", "quantized_matmul",
+           "lora_add_")
 
     def __init__(self, module):
         self.module = module

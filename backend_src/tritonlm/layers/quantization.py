@@ -2,7 +2,8 @@
 float scales and optional biases (w = q * scale + bias), and the group of every input column
 (`g_idx`, so act-order GPTQ needs no reordering). A layer multiplies with a fused kernel where
 one takes its layout (quantized_matmul.py), else dequantizes its weight for each matmul; the
-full-precision model never exists in memory.
+full-precision model never exists in memory. Round-to-nearest int8 and int4 quantizers make this
+storage from a float weight (tritonlm-convert --quantize, a draft's shortlist head).
 
 Layouts (all row-major over output features):
 - `qweight`: int8 [out, in] (8 bits) or uint8 [out, in / 2] (4 bits; column 2j in the low nibble).
@@ -33,6 +34,40 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 def integer_values(qweight: torch.Tensor) -> torch.Tensor:
     """The integer weight [out, in] of int8 or packed int4 storage."""
     return unpack_int4(qweight) if qweight.dtype == torch.uint8 else qweight
+
+
+def half_precision(params: torch.Tensor) -> torch.Tensor:
+    """Scales or biases rounded to float16 precision (kept in float32), where all of them fit:
+    the CPU kernel then reads them at half the bytes (layers/quantized_matmul.py), as GGUF
+    stores its own; the values are quantized against the rounded parameters."""
+    rounded = params.half()
+    return rounded.float() if bool(torch.isfinite(rounded).all()) else params
+
+
+def quantize_int8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Symmetric per output channel: q = round(w / s) in -127..127, s = max |w| / 127 (in float16
+    precision)."""
+    weight = weight.float()
+    scales = half_precision(weight.abs().amax(dim=1, keepdim=True) / 127)
+    q = torch.round(weight / torch.where(scales > 0, scales, 1)).clamp(-127, 127)
+    return {"qweight": q.to(torch.int8), "scales": scales,
+            "g_idx": torch.zeros(weight.shape[1], dtype=torch.int32)}
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """Asymmetric per group of `group_size` consecutive input columns (the last group shorter when
+    it does not divide the width): w ~ q * s + min, q in 0..15, s = (max - min) / 15 (s and min
+    in float16 precision)."""
+    weight = weight.float()
+    out_features, in_features = weight.shape
+    g_idx = torch.arange(in_features) // group_size
+    columns = g_idx.expand(out_features, -1)
+    empty = torch.zeros(out_features, int(g_idx[-1]) + 1)
+    low = empty.scatter_reduce(1, columns, weight, "amin", include_self=False)
+    high = empty.scatter_reduce(1, columns, weight, "amax", include_self=False)
+    scales, low = half_precision((high - low) / 15), half_precision(low)
+    q = torch.round((weight - low[:, g_idx]) / torch.where(scales > 0, scales, 1)[:, g_idx]).clamp(0, 15)
+    return {"qweight": pack_int4(q), "scales": scales, "biases": low, "g_idx": g_idx.to(torch.int32)}
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,

@@ -1,5 +1,5 @@
 """Weight-only quantization at conversion time: which weights are quantizable, round-to-nearest
-int8 / int4, the LM head in int8, and the source wrapper that writes each quantized weight as the
+int8 / int4 (the engine's quantizers), the LM head in int8, and the source wrapper that writes each quantized weight as the
 engine's storage (`X.quantized.*`, layers/quantization.py) in place of `X.weight`, one weight at
 a time."""
 from typing import Callable
@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
-from tritonlm.layers.quantization import QUANTIZED, pack_int4
+from tritonlm.layers.quantization import QUANTIZED, quantize_int4, quantize_int8
 from tritonlm.models.loader import build_model, checkpoint_plan
 
 from .architectures import Shapes
@@ -69,40 +69,6 @@ def rtn_layout(shape: tuple[int, ...], bits: int, group_size: int) -> Layout:
     if in_features % 2:
         raise ConversionError(f"int4 packs two columns a byte and needs an even input width, not {in_features}")
     return storage_layout(out_features, in_features, 4, -(-in_features // group_size), has_biases=True)
-
-
-def half_precision(params: torch.Tensor) -> torch.Tensor:
-    """Scales or biases rounded to float16 precision (kept in float32), where all of them fit:
-    the CPU kernel then reads them at half the bytes (layers/quantized_matmul.py), as GGUF
-    stores its own; the values are quantized against the rounded parameters."""
-    rounded = params.half()
-    return rounded.float() if bool(torch.isfinite(rounded).all()) else params
-
-
-def quantize_int8(weight: torch.Tensor) -> Storage:
-    """Symmetric per output channel: q = round(w / s) in -127..127, s = max |w| / 127 (in float16
-    precision)."""
-    weight = weight.float()
-    scales = half_precision(weight.abs().amax(dim=1, keepdim=True) / 127)
-    q = torch.round(weight / torch.where(scales > 0, scales, 1)).clamp(-127, 127)
-    return {"qweight": q.to(torch.int8), "scales": scales,
-            "g_idx": torch.zeros(weight.shape[1], dtype=torch.int32)}
-
-
-def quantize_int4(weight: torch.Tensor, group_size: int) -> Storage:
-    """Asymmetric per group of `group_size` consecutive input columns (the last group shorter when
-    it does not divide the width): w ~ q * s + min, q in 0..15, s = (max - min) / 15 (s and min
-    in float16 precision)."""
-    weight = weight.float()
-    out_features, in_features = weight.shape
-    g_idx = torch.arange(in_features) // group_size
-    columns = g_idx.expand(out_features, -1)
-    empty = torch.zeros(out_features, int(g_idx[-1]) + 1)
-    low = empty.scatter_reduce(1, columns, weight, "amin", include_self=False)
-    high = empty.scatter_reduce(1, columns, weight, "amax", include_self=False)
-    scales, low = half_precision((high - low) / 15), half_precision(low)
-    q = torch.round((weight - low[:, g_idx]) / torch.where(scales > 0, scales, 1)[:, g_idx]).clamp(0, 15)
-    return {"qweight": pack_int4(q), "scales": scales, "biases": low, "g_idx": g_idx.to(torch.int32)}
 
 
 def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int) -> Storage:
