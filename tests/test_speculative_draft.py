@@ -84,6 +84,43 @@ def test_another_draft_keeps_outputs_with_preemption_and_cancellation(tiny):
     assert_draft_cache_empty(llm)
 
 
+def test_the_draft_reuses_its_cached_blocks_of_the_targets_tokens(tiny):
+    """A prompt beginning as an earlier sequence (its prompt and part of its output) starts the
+    draft from the blocks it cached for the tokens the target kept, not from blocks that held
+    its refused proposals (a sampled run refuses some); the target as its own draft then keeps
+    every proposal, which it would not from wrong KV."""
+    hf, target, _ = tiny
+    llm = speculating(target, target)
+    proposer = llm.engine.scheduler.proposer
+    runner, block_size = proposer.runner, proposer.blocks.block_size
+    first_steps = []  # the tokens of each request's first draft step
+    greedy_tokens = runner.greedy_tokens
+
+    def recording(plan):
+        if not first_steps or first_steps[-1] is None:
+            first_steps[-1:] = [sum(len(c.token_ids) for c in plan.chunks)]
+        return greedy_tokens(plan)
+    runner.greedy_tokens = recording
+    first = random_prompts(1, 2000, max_len=40, seed=21)[0][:30] * 2
+    first_steps.append(None)
+    sampled = llm.generate([first], SamplingParams(temperature=1.0, seed=3, max_tokens=24,
+                                                   ignore_eos=True))[0].token_ids
+    assert counters(llm)[0] > counters(llm)[1]  # some proposals refused
+    second = first + sampled[:20] + [5, 6, 7]
+    before = counters(llm)
+    first_steps.append(None)
+    output = llm.generate([second], SamplingParams(temperature=0, max_tokens=16,
+                                                   ignore_eos=True))[0].token_ids
+    assert output == reference_greedy(hf, second, 16)
+    # the draft's first step: the prompt and the token the target drew after it; then only what
+    # the blocks of the target's kept tokens (2 of the prompt, 1 of the output) leave
+    reused = (len(first) + 20) // block_size * block_size
+    assert reused > len(first) and first_steps == [len(first) + 1, len(second) + 1 - reused]
+    drafted, accepted = (a - b for a, b in zip(counters(llm), before))
+    assert drafted == accepted > 8, (drafted, accepted)
+    assert_draft_cache_empty(llm)
+
+
 def test_a_draft_of_another_vocabulary_is_refused(tiny, tmp_path, smollm2_tokenizer):
     _, target, _ = tiny
     tokenizer = type(smollm2_tokenizer).from_pretrained(

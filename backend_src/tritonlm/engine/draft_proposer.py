@@ -14,7 +14,7 @@ from tritonlm.engine.model_runner import ModelRunner
 from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.step_plan import SamplingRow, ScheduledChunk, StepPlan
 from tritonlm.models.loader import load_config
-from tritonlm.models.registry import context_limit
+from tritonlm.models.registry import context_limit, kv_depends_only_on_prefix
 from tritonlm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -37,12 +37,17 @@ class DraftModelProposer:
         self.max_len = min(config.max_model_len, context_limit(hf_config))
         draft = EngineConfig.load(draft_dir, device=config.device, max_model_len=self.max_len,
                                   max_num_seqs=config.speculative_disable_by_batch_size,
-                                  enable_prefix_caching=False)
+                                  enable_prefix_caching=config.enable_prefix_caching)
         # Its cache holds every speculating sequence at its longest.
         draft.num_kv_blocks = most_blocks_in_use(config.speculative_disable_by_batch_size,
                                                  self.max_len, draft.block_size, self.num_tokens)
         self.runner = ModelRunner(draft, hf_config, weights, draft=True)
-        self.blocks = BlockManager(self.runner.num_blocks, draft.block_size, False)
+        # Its own prefix cache (the target's setting): mirrors of prompts that begin alike (a
+        # system prompt) compute that beginning once. Only blocks of the target's tokens are
+        # hashed (_synced), never blocks holding the draft's proposals.
+        self.blocks = BlockManager(self.runner.num_blocks, draft.block_size,
+                                   draft.enable_prefix_caching
+                                   and kv_depends_only_on_prefix(hf_config))
         # The draft's copy of each speculating sequence: the target's tokens, then its own
         # proposals; its KV is computed for a prefix of them.
         self.mirrors: dict[int, Sequence] = {}
@@ -117,12 +122,14 @@ class DraftModelProposer:
             mirror = self.mirrors[seq.seq_id] = Sequence(
                 seq.seq_id, seq.request_id, seq.token_ids, _GREEDY.params, 0, self.max_len)
             self.synced[seq.seq_id] = seq.num_tokens
+            self.blocks.reuse_cached_prefix(mirror)
         common = self.synced[seq.seq_id]
         while (common < min(mirror.num_tokens, seq.num_tokens)
                and mirror.token_ids[common] == seq.token_ids[common]):
             common += 1
         mirror.token_ids[common:] = seq.token_ids[common:]
         mirror.num_computed_tokens = min(mirror.num_computed_tokens, common)
+        self.blocks.cache_full_blocks(mirror)  # its computed tokens are the target's now
         self.synced[seq.seq_id] = seq.num_tokens
         return mirror
 
