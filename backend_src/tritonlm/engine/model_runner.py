@@ -77,7 +77,8 @@ class ModelRunner:
             logger.info("greedy head: the best %d tokens of a 4-bit copy, rescored on the float "
                         "head", SHORTLIST)
         self.greedy_head = shortlist or self._argmax_head
-        for module in self.model.modules():  # the model's own: its head, which a shortlist replaces
+        # the model's own prepack packs its head: not for a head the shortlist stands in for
+        for module in self.model.modules():
             if hasattr(module, "prepack_for_cpu") and not (shortlist and module is self.model):
                 module.prepack_for_cpu(config.max_num_seqs)
         self.use_flash = (flash_attention_usable(self.device, self.dtype, self.block_size,
