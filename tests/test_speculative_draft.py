@@ -121,6 +121,31 @@ def test_the_draft_reuses_its_cached_blocks_of_the_targets_tokens(tiny):
     assert_draft_cache_empty(llm)
 
 
+def test_long_catch_ups_reach_the_draft_within_the_token_budget(tiny):
+    """New mirrors' prompts beyond max_num_batched_tokens reach the draft in steps of at most
+    that many tokens, as the target chunks its prefill; the target as its own draft keeps every
+    proposal from the KV those steps leave."""
+    hf, target, _ = tiny
+    llm = speculating(target, target, max_num_batched_tokens=24)
+    runner = llm.engine.scheduler.proposer.runner
+    step_tokens = []
+    greedy_tokens = runner.greedy_tokens
+
+    def recording(plan):
+        step_tokens.append(sum(len(c.token_ids) for c in plan.chunks))
+        return greedy_tokens(plan)
+    runner.greedy_tokens = recording
+    prompts = [p * 3 for p in random_prompts(3, 2000, max_len=30, seed=31)]
+    assert sum(map(len, prompts)) > 2 * 24
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [reference_greedy(hf, p, 12) for p in prompts]
+    assert max(step_tokens) <= 24 and step_tokens.count(24) >= 2, step_tokens
+    drafted, accepted = counters(llm)
+    assert drafted == accepted > 0
+    assert_draft_cache_empty(llm)
+
+
 def test_a_draft_of_another_vocabulary_is_refused(tiny, tmp_path, smollm2_tokenizer):
     _, target, _ = tiny
     tokenizer = type(smollm2_tokenizer).from_pretrained(

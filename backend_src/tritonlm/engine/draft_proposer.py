@@ -34,6 +34,7 @@ class DraftModelProposer:
             raise ValueError(f"the draft model {draft_dir} has another vocabulary than the "
                              "target's: it cannot propose the target's tokens")
         self.num_tokens = config.speculative_tokens
+        self.token_budget = config.max_num_batched_tokens  # a step's tokens, as the target's
         self.max_len = min(config.max_model_len, context_limit(hf_config))
         draft = EngineConfig.load(draft_dir, device=config.device, max_model_len=self.max_len,
                                   max_num_seqs=config.speculative_disable_by_batch_size,
@@ -63,6 +64,7 @@ class DraftModelProposer:
                   for seq, limit in zip(seqs, limits)}
         active = [self._synced(seq) for seq in seqs if limits[seq.seq_id] > 0]
         drafts = {mirror.seq_id: [] for mirror in active}
+        self._prefill(active)
         plan = StepPlan([self._catch_up(mirror) for mirror in active])
         while active:
             steps = self.runner.greedy_tokens(plan)
@@ -77,6 +79,24 @@ class DraftModelProposer:
                 plan = self._decode_run(active, min(limits[m.seq_id] - len(drafts[m.seq_id])
                                                     for m in active))
         return drafts
+
+    def _prefill(self, active: list[Sequence]) -> None:
+        """Computes the longest catch-ups (a new mirror's prompt) in steps of their own until
+        the first proposal step holds no more than the token budget, as the target chunks its
+        prefill; each keeps at least one token for that step."""
+        while (total := sum(m.num_uncomputed_tokens for m in active)) > self.token_budget:
+            mirror = max(active, key=lambda m: m.num_uncomputed_tokens)
+            if mirror.num_uncomputed_tokens < 2:  # a budget under the batch: a token each
+                break
+            count = min(self.token_budget, total - self.token_budget,
+                        mirror.num_uncomputed_tokens - 1)
+            self.blocks.grow(mirror, count)
+            start = mirror.num_computed_tokens
+            self.runner.greedy_tokens(StepPlan([ScheduledChunk(
+                mirror.seq_id, mirror.token_ids[start:start + count], start,
+                list(mirror.block_table), _GREEDY, mirror.num_prompt_tokens,
+                track_tokens=False)]))
+            mirror.num_computed_tokens += count
 
     def _catch_up(self, mirror: Sequence) -> ScheduledChunk:
         """The first step of a proposal: the mirror's tokens not computed yet, then its first
