@@ -97,8 +97,8 @@ def test_the_draft_reuses_its_cached_blocks_of_the_targets_tokens(tiny):
     greedy_tokens = runner.greedy_tokens
 
     def recording(plan):
-        if not first_steps or first_steps[-1] is None:
-            first_steps[-1:] = [sum(len(c.token_ids) for c in plan.chunks)]
+        if first_steps[-1] is None:  # each request appends None before it runs
+            first_steps[-1] = sum(len(c.token_ids) for c in plan.chunks)
         return greedy_tokens(plan)
     runner.greedy_tokens = recording
     first = random_prompts(1, 2000, max_len=40, seed=21)[0][:30] * 2
