@@ -59,6 +59,14 @@ inline at::Tensor result_tensor(const std::optional<at::Tensor>& out, at::IntArr
   return *out;
 }
 
+// A 2-D CPU tensor [rows, features] whose rows each hold contiguous features, any stride apart.
+inline void check_rows(const at::Tensor& t, const char* name, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), name, what, " must be on the CPU");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, what,
+              " must be 2-D [rows, features] with contiguous features (contiguous rows, any "
+              "stride apart), got ", t.sizes(), " strides ", t.strides());
+}
+
 // A result computed elsewhere (a fallback path) put where result_tensor would have put it.
 inline at::Tensor into_result(const std::optional<at::Tensor>& out, const at::Tensor& result,
                               const char* name) {

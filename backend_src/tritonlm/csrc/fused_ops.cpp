@@ -13,13 +13,6 @@
 namespace tritonlm {
 namespace {
 
-void check_rows(const at::Tensor& t, const char* name, const char* what) {
-  TORCH_CHECK(t.device().is_cpu(), name, what, " must be on the CPU");
-  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, what,
-              " must be 2-D [rows, features] with contiguous features, got ", t.sizes(),
-              " strides ", t.strides());
-}
-
 template <typename T>
 void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, T* residual,
                    int64_t residual_stride, at::Tensor& out, float eps, bool offset) {

@@ -77,19 +77,13 @@ void shortlist_rows(const at::Tensor& approx, const at::Tensor& hidden, const at
   });
 }
 
-void check_rows(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, "shortlist_argmax: ",
-              what, " must be a 2-D CPU tensor with contiguous rows, got ", t.sizes(),
-              " strides ", t.strides());
-}
-
 }  // namespace
 
 at::Tensor shortlist_argmax(const at::Tensor& approx, const at::Tensor& hidden,
                             const at::Tensor& head, int64_t k) {
   const char* name = "shortlist_argmax: ";
-  check_rows(approx, "approx");
-  check_rows(hidden, "hidden");
+  check_rows(approx, name, "approx");
+  check_rows(hidden, name, "hidden");
   TORCH_CHECK(head.device().is_cpu() && head.dim() == 2 && head.is_contiguous(), name,
               "head must be a contiguous 2-D CPU tensor, got ", head.sizes());
   TORCH_CHECK(approx.size(0) == hidden.size(0) && approx.size(1) == head.size(0) &&
