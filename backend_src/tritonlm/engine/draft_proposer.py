@@ -92,10 +92,8 @@ class DraftModelProposer:
                         mirror.num_uncomputed_tokens - 1)
             self.blocks.grow(mirror, count)
             start = mirror.num_computed_tokens
-            self.runner.greedy_tokens(StepPlan([ScheduledChunk(
-                mirror.seq_id, mirror.token_ids[start:start + count], start,
-                list(mirror.block_table), _GREEDY, mirror.num_prompt_tokens,
-                track_tokens=False)]))
+            self.runner.greedy_tokens(
+                StepPlan([_chunk(mirror, mirror.token_ids[start:start + count])]))
             mirror.num_computed_tokens += count
 
     def _catch_up(self, mirror: Sequence) -> ScheduledChunk:
@@ -108,10 +106,7 @@ class DraftModelProposer:
         # decode rows, as the target verifies: the decode kernels and programs rather than an
         # eager prefill step; the token drawn after the last is the one.
         rows = new - 1 if new <= self.num_tokens + 1 else 0
-        return ScheduledChunk(mirror.seq_id, mirror.token_ids[mirror.num_computed_tokens:],
-                              mirror.num_computed_tokens, list(mirror.block_table), _GREEDY,
-                              mirror.num_prompt_tokens, track_tokens=False,
-                              num_draft_tokens=rows)
+        return _chunk(mirror, mirror.token_ids[mirror.num_computed_tokens:], rows)
 
     def _decode_run(self, active: list[Sequence], steps: int) -> StepPlan:
         """The next `steps` proposals of `active` (each with only its last token uncomputed) as
@@ -119,13 +114,10 @@ class DraftModelProposer:
         in between (one step where the draft has no decode graphs to run it)."""
         if self.runner.decode_graphs is None:
             steps = 1
-        chunks = []
         for mirror in active:
             self.blocks.grow(mirror, steps)
-            chunks.append(ScheduledChunk(mirror.seq_id, mirror.token_ids[-1:],
-                                         mirror.num_computed_tokens, list(mirror.block_table),
-                                         _GREEDY, mirror.num_prompt_tokens, track_tokens=False))
-        return StepPlan(chunks, num_steps=steps)
+        return StepPlan([_chunk(mirror, mirror.token_ids[-1:]) for mirror in active],
+                        num_steps=steps)
 
     def release(self, seq_id: int) -> None:
         mirror = self.mirrors.pop(seq_id, None)
@@ -152,6 +144,13 @@ class DraftModelProposer:
         self.blocks.cache_full_blocks(mirror)  # its computed tokens are the target's now
         self.synced[seq.seq_id] = seq.num_tokens
         return mirror
+
+
+def _chunk(mirror: Sequence, token_ids: list[int], num_draft_tokens: int = 0) -> ScheduledChunk:
+    """A greedy step's chunk of `mirror`: `token_ids` from its first uncomputed position."""
+    return ScheduledChunk(mirror.seq_id, token_ids, mirror.num_computed_tokens,
+                          list(mirror.block_table), _GREEDY, mirror.num_prompt_tokens,
+                          track_tokens=False, num_draft_tokens=num_draft_tokens)
 
 
 def _vocab(weights: Path) -> dict[str, int]:
