@@ -9,6 +9,7 @@ import pytest
 
 from family_check import tiny_llama
 from tritonlm.stress.probes import POOL_SLACK
+from tritonlm.stress.soak import MAX_RSS_DRIFT
 
 pytestmark = pytest.mark.server
 
@@ -67,4 +68,10 @@ def test_mixed_traffic_soak(tiny_model, tmp_path):
                     "--output-len", "24", cancels=True)
     assert report["good"] > 0 and report["bad"] > 0 and report["cut"] > 0
     assert report["failure_count"] == 0 and not report["bad_requests_accepted"]
-    assert report["ok"], report
+    assert not any(report["idle_gauges"].values()), report["idle_gauges"]
+    before, after = report["idle_before"], report["idle_after"]
+    assert after["processes"] == before["processes"], (before, after)
+    assert after["threads"] <= before["threads"] + POOL_SLACK, (before, after)
+    assert after["fds"] <= before["fds"] + POOL_SLACK, (before, after)
+    assert report["rss_drift_after_warm_up"] < MAX_RSS_DRIFT, report["rss_mib"]
+    assert report["ok"]
