@@ -208,3 +208,25 @@ def test_speculation_over_two_ranks_keeps_transformers_tokens(converted):
     assert [o.token_ids for o in outputs] == [reference_greedy(model.hf, p, NEW_TOKENS)
                                               for p in prompts]
     assert drafted > 0
+
+
+def test_a_single_rank_draft_speculates_for_two_ranks(converted):
+    """The one-rank conversion of the same model as the draft of its two-rank conversion: the
+    draft runs whole beside the first rank, the ranks verify, greedy tokens stay transformers'
+    and the draft's tokens (the same model's, summed in another order) are nearly all kept."""
+    model = converted("llama-gqa-4-heads-2-kv")
+    prompts = random_prompts(3, 2000, seed=23)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLM(str(model.repos[2]), block_size=8, speculative=str(model.repos[1])) as llm:
+        outputs = llm.generate(prompts, params)
+        scheduler = llm.engine.scheduler
+        drafted, accepted = scheduler.num_draft_tokens, scheduler.num_accepted_tokens
+    assert [o.token_ids for o in outputs] == [reference_greedy(model.hf, p, NEW_TOKENS)
+                                              for p in prompts]
+    assert drafted > 0 and accepted >= 0.9 * drafted
+
+
+def test_a_draft_converted_for_two_ranks_is_refused(converted):
+    model = converted("llama-gqa-4-heads-2-kv")
+    with pytest.raises(ValueError, match="converted for 2 ranks"):
+        LLM(str(model.repos[1]), block_size=8, speculative=str(model.repos[2]))

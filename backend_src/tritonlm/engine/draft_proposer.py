@@ -24,8 +24,6 @@ _GREEDY = SamplingRow(SamplingParams(temperature=0), seed=0, output_index=0, ban
 class DraftModelProposer:
     def __init__(self, draft_dir: Path, config: EngineConfig, tokenizer):
         from tritonlm.engine.llm_engine import resolve_model_dir
-        if parallel_state.current().world_size > 1 or config.tensor_parallel_size > 1:
-            raise ValueError("a draft model cannot speculate for a tensor-parallel target yet")
         draft_dir = resolve_model_dir(draft_dir)
         weights = draft_dir / WEIGHTS_DIR
         hf_config = load_config(weights)
@@ -39,10 +37,17 @@ class DraftModelProposer:
         draft = EngineConfig.load(draft_dir, device=config.device, max_model_len=self.max_len,
                                   max_num_seqs=config.speculative_disable_by_batch_size,
                                   enable_prefix_caching=config.enable_prefix_caching)
+        if draft.tensor_parallel_size > 1:
+            raise ValueError(f"the draft model {draft_dir} is converted for "
+                             f"{draft.tensor_parallel_size} ranks: a draft runs on one (convert "
+                             "it without --tp)")
         # Its cache holds every speculating sequence at its longest.
         draft.num_kv_blocks = most_blocks_in_use(config.speculative_disable_by_batch_size,
                                                  self.max_len, draft.block_size, self.num_tokens)
-        self.runner = ModelRunner(draft, hf_config, weights, draft=True)
+        # One rank, whole, beside the target's first rank (vLLM's draft_tensor_parallel_size 1):
+        # the other ranks only run the target's verification plans.
+        with parallel_state.as_rank(0, 1):
+            self.runner = ModelRunner(draft, hf_config, weights, draft=True)
         # Its own prefix cache (the target's setting): mirrors of prompts that begin alike (a
         # system prompt) compute that beginning once. Only blocks of the target's tokens are
         # hashed (_synced), never blocks holding the draft's proposals.

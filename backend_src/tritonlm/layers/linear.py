@@ -175,9 +175,12 @@ class RowParallelLinear(_ShardedLinear):
         tp = parallel_state.current()
         super().__init__(in_features, out_features, bias,
                          even_split(in_features, tp.rank, tp.world_size))
+        # The world it was built for: a single-rank draft model runs inside a rank of a
+        # tensor-parallel target, and must not sum over that target's ranks.
+        self.world_size = tp.world_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if parallel_state.current().world_size == 1:
+        if self.world_size == 1:
             return super().forward(x)
         out = parallel_state.all_reduce(self._with_lora(self.matmul(x, None), x))
         return out + self.bias if self.bias is not None else out
