@@ -144,8 +144,11 @@ class DecodeGraphs:
             self.input_ids[:bucket].copy_(torch.from_numpy(token_ids), non_blocking=True)
         else:  # padding rows keep the ids of the run's first step
             self.input_ids[:count].copy_(input_ids)
-        tables = pad_tables([c.block_table for c in chunks] + [[]] * (bucket - count),
-                            self.max_blocks, self.scratch_block)
+        # Only the tables' width: the kernel reads no block past a row's context, so what lies
+        # beyond (an earlier step's) is never read (32 rows of 128-token contexts: 16 of 512).
+        width = max([len(c.block_table) for c in chunks], default=1) or 1
+        tables = pad_tables([c.block_table for c in chunks] + [[]] * (bucket - count), width,
+                            self.scratch_block)
         filling = [
             (self.positions, positions),
             (self.context_lens, positions + 1),
@@ -153,7 +156,7 @@ class DecodeGraphs:
                                               self.block_size, self.num_kv_heads, False))]
         if step == 0:  # a run's later steps read the same blocks
             heads = np.arange(self.num_kv_heads)
-            filling.append((self.blocks, tables[:, None, :] * self.num_kv_heads
+            filling.append((self.blocks[:, :, :width], tables[:, None, :] * self.num_kv_heads
                             + heads[None, :, None]))
         for buffer, array in filling:
             buffer[:len(array)].copy_(torch.from_numpy(array), non_blocking=True)
