@@ -162,10 +162,12 @@ def chunk(seq_id, token_ids, start_pos, num_prompt, track=True):
     return ScheduledChunk(seq_id, token_ids, start_pos, [0], None, num_prompt, track)
 
 
-def expect(tc, seq_id, prompt, outputs):
-    seen, counts = tc.history([seq_id])
-    assert set(seen[0].nonzero().flatten().tolist()) == set(prompt) | set(outputs)
-    assert torch.equal(counts[0], bincount(outputs))
+def expect(tc, seq_id, prompt, outputs, rows=None, row=0):
+    """The history of `seq_id` (of row `row` of the sampling `rows`, when given) is `prompt`
+    and `outputs`."""
+    seen, counts = tc.history(rows or [chunk(seq_id, [0], 0, 0)])
+    assert set(seen[row].nonzero().flatten().tolist()) == set(prompt) | set(outputs)
+    assert torch.equal(counts[row], bincount(outputs))
 
 
 def test_token_counts_chunked_prefill_decode_recompute_and_release():
@@ -186,7 +188,8 @@ def test_token_counts_chunked_prefill_decode_recompute_and_release():
     tc.record([chunk(1, (prompt + outputs)[:4], 0, 5)])  # ... or in two
     tc.record([chunk(1, (prompt + outputs)[4:], 4, 5)])
     expect(tc, 1, prompt, outputs)
-    seen, counts = tc.history([2, 99, 1])  # untracked and unknown ids give zeros
+    # untracked and unknown ids give zeros
+    seen, counts = tc.history([chunk(i, [0], 0, 0) for i in (2, 99, 1)])
     assert not seen[:2].any() and not counts[:2].any() and seen[2].any()
     row = tc.rows[1]
     tc.release([1])
@@ -195,6 +198,27 @@ def test_token_counts_chunked_prefill_decode_recompute_and_release():
     assert tc.rows[3] == row
     expect(tc, 3, [8], [9])
     expect(tc, 4, other_prompt, other_outputs)
+
+
+def test_token_counts_of_a_verification_count_each_rows_proposals_before_it():
+    """A verification's rows (the input token, then proposals) are counted at once; each row's
+    history holds the proposals up to its own input; the next step uncounts the refused ones,
+    and a sequence whose next chunk restarts (preempted) recounts from scratch."""
+    tc, prompt, outputs = TokenCounts(VOCAB, torch.device("cpu")), [5, 7, 9], [7, 3]
+    tc.record([chunk(1, prompt + outputs, 0, 3)])
+    last, proposals = 8, [3, 8, 7]
+    rows = [chunk(1, [token], 5 + j, 3) for j, token in enumerate([last] + proposals)]
+    rows.insert(2, chunk(4, [2], 0, 1))  # another sequence's row in between
+    tc.record(rows)
+    before_row = [[last] + proposals[:j] for j in range(len(proposals) + 1)]
+    for j, row in enumerate([0, 1, 3, 4]):
+        expect(tc, 1, prompt, outputs + before_row[j], rows, row)
+    expect(tc, 4, [2], [], rows, 2)
+    kept, drawn = proposals[:1], 400  # the second proposal refused: 400 stands where it stood
+    tc.record([chunk(1, [drawn], 5 + 1 + len(kept), 3)])
+    expect(tc, 1, prompt, outputs + [last] + kept + [drawn])
+    tc.record([chunk(1, prompt + outputs, 0, 3)])  # a restart after preemption
+    expect(tc, 1, prompt, outputs)
 
 
 def test_top_k_keeps_ties_like_transformers():

@@ -136,7 +136,7 @@ def test_mixed_batch_n_best_of_and_stops_equal_no_speculation(smollm2):
         SamplingParams(temperature=0, max_tokens=30,
                        stop=[tokenizer.decode(greedy[1].token_ids[10:12]).strip()]),
         SamplingParams(temperature=0.8, n=3, best_of=4, seed=7, max_tokens=16),
-        SamplingParams(temperature=0, max_tokens=25, repetition_penalty=1.3),  # never drafts
+        SamplingParams(temperature=0, max_tokens=25, repetition_penalty=1.3),
         SamplingParams(temperature=0, max_tokens=25, speculative=False),
         SamplingParams(temperature=0.7, seed=3, max_tokens=25, watermark=True),
     ]
@@ -148,11 +148,42 @@ def test_mixed_batch_n_best_of_and_stops_equal_no_speculation(smollm2):
     assert_all_blocks_free(spec)
 
 
+def test_penalties_bad_words_and_min_tokens_equal_no_speculation(smollm2):
+    """Each verification row draws with the token counts, bad-word bans and min_tokens state of
+    the proposals before it; the proposals refused are uncounted at the next step."""
+    plain, spec, prompts = smollm2
+    tokenizer = spec.engine.tokenizer
+    greedy = plain.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=30))[0]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, frequency_penalty=1.5),
+        SamplingParams(temperature=0, max_tokens=40, presence_penalty=1.0, repetition_penalty=1.1),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=40, repetition_penalty=1.1,
+                       frequency_penalty=0.3, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=30,
+                       bad_words=[tokenizer.decode(greedy.token_ids[8:10]).strip()]),
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=20,
+                       stop_token_ids=[greedy.token_ids[5]]),
+    ]
+    prompts = prompts[:3] + prompts[:1] * 2  # the last two: greedy's prompt
+    before = counters(spec)
+    ours, theirs = spec.generate(prompts, params), plain.generate(prompts, params)
+    drafted, accepted = (a - b for a, b in zip(counters(spec), before))
+    assert drafted > accepted > 0
+    for a, b in zip(ours, theirs):
+        assert a.token_ids == b.token_ids
+        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-3)
+    # the bans were live: the bad word and the early stop token were drawn without them
+    assert ours[3].token_ids[:10] != greedy.token_ids[:10] and len(ours[4].token_ids) >= 20
+    assert_all_blocks_free(spec)
+
+
 def test_preemption_and_prefix_caching_keep_outputs(smollm2_repo, smollm2):
     plain, _, prompts = smollm2
     llm = LLM(str(smollm2_repo), **{**SPECULATIVE, "num_kv_blocks": 40, "max_num_seqs": 8})
     prompts = prompts + [p + [198] for p in prompts]  # the same prefixes again: cache hits
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    # every other one penalised: its token counts restart with the recompute
+    params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True,
+                             frequency_penalty=1.5 * (i % 2)) for i in range(len(prompts))]
     outputs = llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain.generate(prompts, params)]
     scheduler = llm.engine.scheduler

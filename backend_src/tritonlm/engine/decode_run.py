@@ -64,8 +64,10 @@ def verification_plan(plan: StepPlan) -> tuple[StepPlan, list[int]]:
             continue
         chunks += [dataclasses.replace(
             chunk, token_ids=[token], start_pos=chunk.start_pos + j, num_draft_tokens=0,
-            sampling=dataclasses.replace(chunk.sampling,
-                                         output_index=chunk.sampling.output_index + j))
+            draft_banned=(), sampling=dataclasses.replace(
+                chunk.sampling, output_index=chunk.sampling.output_index + j,
+                banned=chunk.draft_banned[j - 1] if j and chunk.draft_banned
+                else chunk.sampling.banned))
             for j, token in enumerate(chunk.token_ids)]
         positions += range(len(chunk.token_ids))
     return dataclasses.replace(plan, chunks=chunks), positions

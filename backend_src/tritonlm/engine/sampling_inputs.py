@@ -55,8 +55,7 @@ class SamplingInputs:
             all_greedy=bool((host["temperature"] == 0).all()),
             needs_truncation=bool(truncating.any()))
         if any(c.track_tokens for c in chunks):
-            tensors.seen, tensors.output_counts = self.token_counts.history(
-                [c.seq_id for c in chunks])
+            tensors.seen, tensors.output_counts = self.token_counts.history(chunks)
         self._add_watermark(tensors, chunks, vocab_size)
         self._add_token_bitmask(tensors, chunks)
         return tensors

@@ -145,9 +145,11 @@ class Scheduler:
 
     def _may_speculate(self, seq: Sequence) -> bool:
         """Its draws after each proposal need no host state that the proposals before it change
-        (a watermark's green list is seeded by the row's own input token: they may)."""
+        but what a verification row carries: its banned tokens (bad words, min_tokens) and token
+        counts (penalties) count the proposals before it, a watermark's green list is seeded by
+        its own input token; a grammar's matcher would have to walk the proposals."""
         return (seq.params.speculative and seq.encoder_token_ids is None
-                and self._draws_need_no_history(seq))
+                and seq.params.constraint is None)
 
     def _decode_run_length(self) -> int:
         """How many decode steps the running batch may take in a row: as many as the run may
@@ -226,9 +228,12 @@ class Scheduler:
             plan.block_copies.append(copy)
         start = seq.num_computed_tokens
         reaches_end = start + num_new == seq.num_tokens
-        sampling = None
+        sampling, draft_banned = None, ()
         if reaches_end:
             sampling = SamplingRow(seq.params, seq.seed, seq.num_output_tokens, self._banned(seq))
+            if seq.bad_words_ids or seq.num_output_tokens < seq.params.min_tokens:
+                draft_banned = tuple(self._banned(seq, draft[:j])
+                                     for j in range(1, len(draft) + 1))
         tracked = seq.params.uses_penalties
         # A sequence admitted on reused KV: the runner has not seen the tokens before `start`.
         history = seq.token_ids[:start] if tracked and admitted else []
@@ -242,19 +247,21 @@ class Scheduler:
             encoder_token_ids=None if seq.encoder_computed or not encoder else list(encoder),
             cross_block_table=list(seq.cross_block_table), encoder_len=len(encoder),
             prompt_targets=targets, num_prompt_logprobs=seq.params.prompt_logprobs or 0,
-            num_draft_tokens=len(draft), lora_id=seq.lora_id))
+            num_draft_tokens=len(draft), draft_banned=draft_banned, lora_id=seq.lora_id))
         return num_new + len(draft)
 
-    def _banned(self, seq: Sequence) -> tuple[int, ...]:
+    def _banned(self, seq: Sequence, drafted: list[int] = ()) -> tuple[int, ...]:
         """Stop tokens until min_tokens is reached; the last token of any bad word whose other
-        tokens the sequence has just produced."""
+        tokens the sequence has just produced; `drafted`: then these proposals."""
         p = seq.params
         banned = []
-        if seq.num_output_tokens < p.min_tokens:
+        if seq.num_output_tokens + len(drafted) < p.min_tokens:
             banned += p.stop_token_ids if p.ignore_eos else [*self.eos_token_ids, *p.stop_token_ids]
-        for word in seq.bad_words_ids:
-            if len(word) == 1 or seq.token_ids[-(len(word) - 1):] == word[:-1]:
-                banned.append(word[-1])
+        if seq.bad_words_ids:
+            tail = seq.token_ids[-max(map(len, seq.bad_words_ids)):] + list(drafted)
+            for word in seq.bad_words_ids:
+                if len(word) == 1 or tail[-(len(word) - 1):] == word[:-1]:
+                    banned.append(word[-1])
         return tuple(banned)
 
     def update(self, plan: StepPlan, sampled: dict[int, SampledToken],

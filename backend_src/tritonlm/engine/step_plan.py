@@ -36,6 +36,10 @@ class ScheduledChunk:
     # position as well as the last (output indices on from sampling.output_index); the scheduler
     # keeps the proposals that equal the tokens sampled before them, then one sampled token more.
     num_draft_tokens: int = 0
+    # The tokens banned at the draw after each proposal (bad words, min_tokens), as
+    # sampling.banned is at the draw after token_ids' first: the proposals before it count.
+    # Empty: sampling.banned at every draw.
+    draft_banned: tuple[tuple[int, ...], ...] = ()
     lora_id: int = 0  # the sequence's adapter (engine/lora_registry.py); 0: the base model
 
 
