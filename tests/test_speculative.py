@@ -4,7 +4,11 @@ logprobs those of the engine without speculation (the draws are keyed by seed an
 and a proposal is kept only where the target drew that very token), a token drawn where a
 proposal waited must follow transformers' distribution, and no block may leak."""
 
+import json
+import re
+
 import httpx
+import jsonschema
 import numpy as np
 import openai
 import pytest
@@ -174,6 +178,31 @@ def test_penalties_bad_words_and_min_tokens_equal_no_speculation(smollm2):
         assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-3)
     # the bans were live: the bad word and the early stop token were drawn without them
     assert ours[3].token_ids[:10] != greedy.token_ids[:10] and len(ours[4].token_ids) >= 20
+    assert_all_blocks_free(spec)
+
+
+def test_structured_output_equals_no_speculation(smollm2):
+    """A verification row's grammar mask is its matcher's after the proposals before it (walked
+    and rolled back); proposals the grammar refuses are never kept."""
+    plain, spec, prompts = smollm2
+    words, schema = r"[A-Za-z ,.]+", {"type": "object", "properties": {"text": {"type": "string"}},
+                                       "required": ["text"]}
+    choices = [TEXT, TEXT.upper()]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, guided_regex=words),
+        SamplingParams(temperature=0, max_tokens=60, guided_json=schema),
+        SamplingParams(temperature=0.7, seed=9, max_tokens=40, guided_regex=words),
+        SamplingParams(temperature=0, max_tokens=60, guided_choice=choices),
+    ]
+    prompts = prompts[:1] * 4
+    before = counters(spec)
+    ours, theirs = spec.generate(prompts, params), plain.generate(prompts, params)
+    drafted, accepted = (a - b for a, b in zip(counters(spec), before))
+    assert drafted > accepted > 0
+    assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
+    assert re.fullmatch(words, ours[0].text) and re.fullmatch(words, ours[2].text)
+    jsonschema.validate(json.loads(ours[1].text), schema)
+    assert ours[3].text in choices
     assert_all_blocks_free(spec)
 
 

@@ -5,7 +5,7 @@ import torch
 
 from tritonlm.engine.structured_output import GrammarMatchers
 from tritonlm.layers.sampler import SamplingTensors
-from tritonlm.layers.token_counts import TokenCounts
+from tritonlm.layers.token_counts import TokenCounts, verifications
 from tritonlm.watermark import GreenLists
 
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty",
@@ -61,12 +61,17 @@ class SamplingInputs:
         return tensors
 
     def _add_token_bitmask(self, tensors: SamplingTensors, chunks) -> None:
-        """The grammar masks of the constrained rows, filled in one batched call."""
+        """The grammar masks of the constrained rows, filled in one batched call (a
+        verification's rows: each after the proposals before it)."""
         rows = [i for i, c in enumerate(chunks) if c.sampling.params.constraint is not None]
         if not rows:
             return
         tensors.bitmask_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        bitmask = self.matchers.token_bitmask([chunks[i].seq_id for i in rows])
+        before = {id(row): [c.token_ids[0] for c in verification[1:j + 1]]
+                  for verification in verifications([chunks[i] for i in rows]).values()
+                  for j, row in enumerate(verification)}
+        bitmask = self.matchers.token_bitmask(
+            [(chunks[i].seq_id, before.get(id(chunks[i]), [])) for i in rows])
         tensors.token_bitmask = bitmask.to(self.device)
 
     def _add_watermark(self, tensors: SamplingTensors, chunks, vocab_size: int) -> None:

@@ -143,13 +143,12 @@ class Scheduler:
         drafts = self.proposer.propose(self.running, limits)
         return {seq_id: draft for seq_id, draft in drafts.items() if draft}
 
-    def _may_speculate(self, seq: Sequence) -> bool:
-        """Its draws after each proposal need no host state that the proposals before it change
-        but what a verification row carries: its banned tokens (bad words, min_tokens) and token
-        counts (penalties) count the proposals before it, a watermark's green list is seeded by
-        its own input token; a grammar's matcher would have to walk the proposals."""
-        return (seq.params.speculative and seq.encoder_token_ids is None
-                and seq.params.constraint is None)
+    @staticmethod
+    def _may_speculate(seq: Sequence) -> bool:
+        """A verification row draws as the decode step it stands for: its banned tokens (bad
+        words, min_tokens), token counts (penalties) and grammar mask follow the proposals
+        before it; a watermark's green list is seeded by its own input token."""
+        return seq.params.speculative and seq.encoder_token_ids is None
 
     def _decode_run_length(self) -> int:
         """How many decode steps the running batch may take in a row: as many as the run may

@@ -91,13 +91,32 @@ class GrammarMatchers:
             self.by_seq.pop(seq_id, None)
             self.grammars.pop(seq_id, None)
 
-    def token_bitmask(self, seq_ids: list[int]) -> torch.Tensor:
-        """[len(seq_ids), ceil(V / 32)] int32: bit t of a row set where token t may come next."""
+    def token_bitmask(self, rows: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """[len(rows), ceil(V / 32)] int32 for rows (seq_id, proposals): bit t of a row set where
+        token t may come next after the sequence's tokens, then `proposals` (a speculative
+        verification's row, its matcher walked there and back). Past a proposal the grammar
+        refuses (or ends at) every token is allowed: the draw before it cannot keep it, so no
+        draw after it is kept."""
         xgr = _xgrammar()
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher()
-        bitmask = xgr.allocate_token_bitmask(len(seq_ids), self.vocab_size)
-        self._batch.batch_fill_next_token_bitmask([self.by_seq[s] for s in seq_ids], bitmask)
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        plain = [i for i, (_, proposals) in enumerate(rows) if not proposals]
+        if plain:
+            self._batch.batch_fill_next_token_bitmask([self.by_seq[rows[i][0]] for i in plain],
+                                                      bitmask, plain)
+        for i, (seq_id, proposals) in enumerate(rows):
+            if not proposals:
+                continue
+            matcher, walked = self.by_seq[seq_id], 0
+            while walked < len(proposals) and not matcher.is_terminated() \
+                    and matcher.accept_token(proposals[walked]):
+                walked += 1
+            if walked == len(proposals) and not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(bitmask, i)
+            else:
+                bitmask[i] = -1
+            matcher.rollback(walked)
         return bitmask
 
     def accept(self, seq_id: int, token: int) -> bool:

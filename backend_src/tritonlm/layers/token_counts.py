@@ -69,7 +69,7 @@ class TokenCounts:
         out_rows, out_tokens = self._tensor(token_rows[~in_prompt]), self._tensor(tokens[~in_prompt])
         self.output_counts.index_put_((out_rows, out_tokens),
                                       torch.ones_like(out_rows, dtype=torch.int32), accumulate=True)
-        for seq_id, verification in _verifications(tracked).items():
+        for seq_id, verification in verifications(tracked).items():
             self.proposals[seq_id] = (verification[1].start_pos,
                                       [c.token_ids[0] for c in verification[1:]])
 
@@ -107,7 +107,7 @@ class TokenCounts:
             counts[index] = self.output_counts[rows]
             position = {id(c): i for i, c in enumerate(chunks)}
             later = [(position[id(row)], after.token_ids[0])
-                     for verification in _verifications([chunks[i] for i in index]).values()
+                     for verification in verifications([chunks[i] for i in index]).values()
                      for j, row in enumerate(verification) for after in verification[j + 1:]]
             if later:
                 at, tokens = zip(*later)
@@ -118,7 +118,7 @@ class TokenCounts:
         return seen, counts
 
 
-def _verifications(chunks) -> dict[int, list]:
+def verifications(chunks) -> dict[int, list]:
     """seq_id -> its rows, by position, for the sequences with more than one row in `chunks`
     (a verification's: the input token, then each proposal)."""
     by_seq = defaultdict(list)
