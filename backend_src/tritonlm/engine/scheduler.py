@@ -230,9 +230,7 @@ class Scheduler:
         sampling, draft_banned = None, ()
         if reaches_end:
             sampling = SamplingRow(seq.params, seq.seed, seq.num_output_tokens, self._banned(seq))
-            if seq.bad_words_ids or seq.num_output_tokens < seq.params.min_tokens:
-                draft_banned = tuple(self._banned(seq, draft[:j])
-                                     for j in range(1, len(draft) + 1))
+            draft_banned = tuple(self._banned(seq, draft[:j]) for j in range(1, len(draft) + 1))
         tracked = seq.params.uses_penalties
         # A sequence admitted on reused KV: the runner has not seen the tokens before `start`.
         history = seq.token_ids[:start] if tracked and admitted else []
