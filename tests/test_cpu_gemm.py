@@ -1,7 +1,7 @@
-"""bfloat16 weights packed for a CPU matmul kernel (tritonlm's kernel, multiplying with AVX512-BF16
-dot products or widened float32 FMAs in AVX512 or AVX2 registers; oneDNN's layout) compute what torch's F.linear computes
-on the plain weights: as close to float32 as F.linear itself, and the same greedy tokens and
-logprobs for SmolLM2."""
+"""bfloat16 weights packed for a CPU matmul kernel (tritonlm's kernel, multiplying in AMX tiles,
+with AVX512-BF16 dot products or widened float32 FMAs in AVX512 or AVX2 registers; oneDNN's
+layout) compute what torch's F.linear computes on the plain weights: as close to float32 as
+F.linear itself, and the same greedy tokens and logprobs for SmolLM2."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,17 +20,21 @@ needs_bf16_matmul = pytest.mark.skipif(_matmul_kernels() is None,
                                        reason="this CPU has no AVX2 + FMA (the kernel's registers)")
 needs_onednn_bf16 = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                                        reason="oneDNN has no bfloat16 matmuls on this CPU")
-# How the kernel multiplies: bf16 dot products where the CPU has them, widened float32 FMAs,
-# or the whole weight widened and handed to float32 sgemm (prompts, where that is faster).
-MULTIPLY = ["dot", "fma", "sgemm"]
+# How the kernel multiplies: AMX tiles or bf16 dot products where the CPU has them, widened
+# float32 FMAs, or the whole weight widened and handed to float32 sgemm (prompts, where that is
+# faster). AMX tiles take K in multiples of 32 (other K: the vector tiles).
+MULTIPLY = ["amx", "dot", "fma", "sgemm"]
 
 
 def _packed(weight: torch.Tensor, multiply: str, gated: bool = False) -> cpu_gemm.PairBlockWeight:
     kernels = _matmul_kernels()
     if multiply == "dot" and not kernels.has_bf16_dot_products:
         pytest.skip("this CPU has no AVX512-BF16 dot products")
-    return cpu_gemm.PairBlockWeight(weight, kernels, gated, widen=multiply != "dot",
-                                    sgemm_rows=1 if multiply == "sgemm" else 0)
+    if multiply == "amx" and not kernels.has_amx_tiles:
+        pytest.skip("this CPU (or this build) has no AMX tiles")
+    return cpu_gemm.PairBlockWeight(weight, kernels, gated, widen=multiply == "fma",
+                                    sgemm_rows=1 if multiply == "sgemm" else 0,
+                                    amx=multiply == "amx")
 
 
 def _errors(out: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
@@ -38,12 +42,12 @@ def _errors(out: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
     return diff.max().item(), diff.mean().item()
 
 
-# rows around the kernel's tiles (AVX512: 12 rows; AVX2: 3 rows whole, 4-6 by half blocks) and
-# 192-row chunks; features not multiples of its 32-column blocks; odd inputs (the last feature
-# pairs with padding)
+# rows around the kernel's tiles (AVX512: 12 rows; AVX2: 3 rows whole, 4-6 by half blocks; AMX:
+# 16 and 32) and 192-row chunks; features not multiples of its 32-column blocks; odd inputs (the
+# last feature pairs with padding)
 @needs_bf16_matmul
 @pytest.mark.parametrize("multiply", MULTIPLY)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 13, 32, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 13, 20, 32, 200])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 33), (7, 1), (100, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_matmul_as_close_as_f_linear(multiply, rows, out_features, in_features, with_bias):
@@ -64,16 +68,18 @@ def test_packed_matmul_as_close_as_f_linear(multiply, rows, out_features, in_fea
 @pytest.mark.parametrize("multiply", MULTIPLY)
 @pytest.mark.parametrize("rows", [1, 13, 200])
 @pytest.mark.parametrize("intermediate", [1536, 40, 16])
+@pytest.mark.parametrize("in_features", [72, 96])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gated_packing_applies_act_and_mul_as_the_separate_kernel_does(multiply, rows,
-                                                                        intermediate, with_bias):
+                                                                        intermediate, in_features,
+                                                                        with_bias):
     """[gate; up] packed in pairs of 16 features: the same matmul as the plain packing, and
     act(gate) * up bit for bit what the separate act_and_mul kernel makes of that output."""
     torch.manual_seed(intermediate + rows)
     kernels = _matmul_kernels()
-    weight = torch.randn(2 * intermediate, 72, dtype=torch.bfloat16) / 8
+    weight = torch.randn(2 * intermediate, in_features, dtype=torch.bfloat16) / 8
     bias = torch.randn(2 * intermediate, dtype=torch.bfloat16) if with_bias else None
-    x = torch.randn(rows, 72, dtype=torch.bfloat16)
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
     plain = _packed(weight, multiply)
     gated = _packed(weight, multiply, gated=True)
     assert torch.equal(gated.dense(), weight)
@@ -88,15 +94,15 @@ def test_gated_packing_applies_act_and_mul_as_the_separate_kernel_does(multiply,
 
 
 @needs_bf16_matmul
-@pytest.mark.parametrize("multiply", ["dot", "fma"])
+@pytest.mark.parametrize("multiply", ["amx", "dot", "fma"])
 @pytest.mark.parametrize("gated", [False, True])
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it(multiply, gated):
     """Each row count has its own tiles (AVX2: up to 3 rows over whole blocks, 4-6 over half
-    blocks; AVX512: up to 12), yet every row's sums are added in one order: a sequence's tokens
-    do not depend on the batch it decodes in."""
+    blocks; AVX512: up to 12; AMX: 16 rows an A tile, two a tile), yet every row's sums are added
+    in one order: a sequence's tokens do not depend on the batch it decodes in."""
     torch.manual_seed(3)
-    packed = _packed(torch.randn(96, 200, dtype=torch.bfloat16) / 14, multiply, gated)
-    x = torch.randn(13, 200, dtype=torch.bfloat16)
+    packed = _packed(torch.randn(96, 192, dtype=torch.bfloat16) / 14, multiply, gated)
+    x = torch.randn(40, 192, dtype=torch.bfloat16)
     activation = 0 if gated else None
     alone = torch.cat([packed.matmul(x[i:i + 1], None, activation) for i in range(len(x))])
     for rows in range(2, len(x) + 1):
@@ -119,15 +125,17 @@ def test_packed_matmul_takes_leading_dims_and_refuses_a_foreign_weight(multiply)
 @needs_onednn_bf16
 @pytest.mark.parametrize("pack", ["pair_blocks", "onednn"])
 def test_prepacked_linear_equals_f_linear_and_keeps_its_dense_weight(pack):
-    if pack == "pair_blocks" and not getattr(_matmul_kernels(), "has_bf16_dot_products", False):
-        pytest.skip("this CPU has no AVX512-BF16: prepack picks oneDNN")
+    kernels = _matmul_kernels()
+    if pack == "pair_blocks" and (kernels is None or not kernels.has_amx_tiles
+                                  and "amx_bf16" in cpu_kernels.cpu_flags()):
+        pytest.skip("no kernels, or AMX without the kernels' tiles: prepack picks oneDNN")
     torch.manual_seed(0)
     layer = ColumnParallelLinear(96, 160, bias=True).to(torch.bfloat16)
     weight = layer.weight.detach().clone()
     x = torch.randn(7, 96, dtype=torch.bfloat16)
     expected = F.linear(x, weight, layer.bias)
     layer.prepack_for_cpu(batch_hint=32)
-    if pack == "pair_blocks" and "amx_bf16" not in cpu_kernels.cpu_flags():  # AMX: oneDNN's
+    if pack == "pair_blocks":
         assert isinstance(layer.packed, cpu_gemm.PairBlockWeight)
     if pack == "onednn":
         layer.packed = cpu_gemm.OneDnnWeight(weight, 32)
@@ -174,8 +182,29 @@ def test_the_multiply_is_measured_unless_forced(monkeypatch):
         with pytest.raises(RuntimeError, match="no AVX512-BF16"):
             kernels.bf16_matmul(torch.ones(1, 2, dtype=torch.bfloat16),
                                 torch.zeros(1, 1, 32, 2, dtype=torch.bfloat16), 32)
-    with pytest.raises(ValueError, match="'dot' or 'fma'"):
-        choice("amx")
+    if kernels.has_amx_tiles:  # for K the tiles do not take, the vector tiles' measured way
+        assert choice("amx") is choice(None)
+    else:
+        with pytest.raises(ValueError, match="no AMX tiles"):
+            choice("amx")
+    with pytest.raises(ValueError, match="must be one of"):
+        choice("avx")
+
+
+@needs_bf16_matmul
+def test_amx_tiles_multiply_wherever_the_cpu_has_them_unless_forced(monkeypatch):
+    kernels = _matmul_kernels()
+    has_amx = "amx_bf16" in cpu_kernels.cpu_flags().split()
+    assert kernels.has_amx_tiles == has_amx  # -march=native builds them where the CPU has them
+
+    def choice(forced: str | None) -> bool:
+        return _packing_choice(monkeypatch, cpu_gemm.amx_for_this_cpu, cpu_gemm.MULTIPLY_ENV,
+                               forced, "amx")
+
+    if has_amx:
+        assert cpu_gemm.bf16_matmul_backend() == "tritonlm's packed matmul (AMX)"
+        assert choice("amx") is True and choice("dot") is False
+    assert choice(None) is has_amx and choice("fma") is False
 
 
 @needs_bf16_matmul

@@ -1,6 +1,8 @@
 // bfloat16 matmul on weights packed once (tritonlm/layers/cpu_gemm.py), in the tiling of
-// packed_matmul.h. Measured on 2 Zen 4 cores (30 SmolLM2 layers, cold weights): 1.8-2x oneDNN's
-// bf16 matmul at 1-4 rows, 1.2-1.3x at 32, equal at 2048.
+// packed_matmul.h (in AMX tiles where the CPU has them: packed_matmul_amx.h). Measured on 2 Zen 4
+// cores (30 SmolLM2 layers, cold weights): 1.8-2x oneDNN's bf16 matmul at 1-4 rows, 1.2-1.3x at
+// 32, equal at 2048.
+#include "packed_matmul_amx.h"
 #include "packed_matmul_tasks.h"
 
 #ifdef TRITONLM_PACKED_MATMUL
@@ -41,7 +43,8 @@ at::Tensor act_and_mul(const at::Tensor& x, int64_t activation,
 
 at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        bool gated, const std::optional<at::Tensor>& bias, int64_t activation,
-                       bool widen, int64_t sgemm_rows, const std::optional<at::Tensor>& out) {
+                       bool widen, int64_t sgemm_rows, bool amx,
+                       const std::optional<at::Tensor>& out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "bf16_matmul: x must be [M, K] bfloat16 with contiguous features");
   const int64_t m = x.size(0), k = x.size(1);
@@ -63,7 +66,12 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t ou
               "approximation) on a gated weight, got ", activation);
   const int64_t out_cols = activation < 0 ? out_features : half;
   const Shape shape{m, out_features, out_cols, half, blocks, gated};
-  if (sgemm_rows > 0 && m >= sgemm_rows) {
+#ifdef TRITONLM_AMX
+  amx = amx && k % (2 * AmxTiles::kStepPairs) == 0 && amx_permitted();
+#else
+  amx = false;
+#endif
+  if (!amx && sgemm_rows > 0 && m >= sgemm_rows) {
     // Prompt-sized inputs, where float32 sgemm keeps the FMA units busier than tiles that widen
     // as they go: the weight widened once, rounded to bfloat16 as the tiles' output is.
     using Wide = WidenedFma<Native, uint16_t>;
@@ -78,6 +86,13 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const auto* bs = bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
   auto* os = reinterpret_cast<uint16_t*>(result.data_ptr());
+#ifdef TRITONLM_AMX
+  if (amx) {
+    run_tasks<AmxTiles>(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), ws,
+                        packed.size(1), {}, bs, os, shape, activation);
+    return result;
+  }
+#endif
   if (widen) {
     const FloatRows rows = float_rows(even);
     run_tasks<WidenedFma<Native, uint16_t>>(rows.data, rows.stride, ws, packed.size(1), {}, bs,
@@ -115,7 +130,7 @@ double bf16_dot_product_speedup() {
 
 namespace tritonlm {
 at::Tensor bf16_matmul(const at::Tensor&, const at::Tensor&, int64_t, bool,
-                       const std::optional<at::Tensor>&, int64_t, bool, int64_t,
+                       const std::optional<at::Tensor>&, int64_t, bool, int64_t, bool,
                        const std::optional<at::Tensor>&) {
   TORCH_CHECK(false, "bf16_matmul: built for a CPU without AVX2 + FMA");
 }
@@ -139,6 +154,13 @@ int64_t vector_lanes() {
   return 8;
 #else
   return 0;  // at::vec's generic code
+#endif
+}
+bool has_amx_tiles() {
+#ifdef TRITONLM_AMX
+  return packed_matmul::amx_permitted();
+#else
+  return false;
 #endif
 }
 bool has_bf16_dot_products() {

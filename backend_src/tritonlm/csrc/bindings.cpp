@@ -33,7 +33,8 @@ void write_kv_(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor&
                const at::Tensor& v, const at::Tensor& rows);
 at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        bool gated, const std::optional<at::Tensor>& bias, int64_t activation,
-                       bool widen, int64_t sgemm_rows, const std::optional<at::Tensor>& out);
+                       bool widen, int64_t sgemm_rows, bool amx,
+                       const std::optional<at::Tensor>& out);
 int64_t vector_lanes();
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const std::optional<at::Tensor>& row_scales,
@@ -47,6 +48,7 @@ double bf16_dot_product_speedup();
 void bind_op_program(pybind11::module_& m);  // op_program.cpp
 bool has_bf16_matmul();
 bool has_bf16_dot_products();
+bool has_amx_tiles();
 bool has_vnni_dot_products();
 bool has_int4_quads();
 }  // namespace tritonlm
@@ -92,11 +94,12 @@ TRITONLM_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // packed in pairs of 16 features) + bias [N] bfloat16 -> [M, N] bfloat16, or with an
   // activation (0 silu, 1 gelu-tanh) on a gated weight act(gate) * up [M, N / 2]; widen: float32
   // FMAs on widened weights instead of AVX512-BF16 dot products (has_bf16_dot_products); from
-  // sgemm_rows rows (0: never) the weight widened whole and multiplied by float32 sgemm; needs
-  // AVX2 + FMA (has_bf16_matmul).
+  // sgemm_rows rows (0: never) the weight widened whole and multiplied by float32 sgemm; amx:
+  // in AMX tiles where K is a multiple of 32 (has_amx_tiles; ahead of widen and sgemm_rows);
+  // needs AVX2 + FMA (has_bf16_matmul).
   m.def("bf16_matmul(Tensor x, Tensor packed, int out_features, bool gated=False, "
         "Tensor? bias=None, int activation=-1, bool widen=False, int sgemm_rows=0, "
-        "Tensor(a!)? out=None) -> Tensor");
+        "bool amx=False, Tensor(a!)? out=None) -> Tensor");
   // x [M, K] float32 or bfloat16 @ a quantized weight [N, K] + bias [N] of x's dtype -> [M, N]
   // of x's dtype. The weight packed as bf16_matmul's: int8 [blocks, ceil(K/2), 32, 2] or 4-bit
   // pairs uint8 [blocks, ceil(K/2), 32] (even k in the low nibble); dequantized by row_scales
@@ -139,6 +142,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("has_bf16_matmul") = has_bf16_matmul();
   m.attr("vector_lanes") = vector_lanes();
   m.attr("has_bf16_dot_products") = has_bf16_dot_products();
+  m.attr("has_amx_tiles") = has_amx_tiles();  // bf16 matmuls in AMX tiles
   m.attr("has_vnni_dot_products") = has_vnni_dot_products();  // int8 inputs: AVX512-VNNI
   m.attr("has_int4_quads") = has_int4_quads();  // 4-bit weights packed in quad rows
   bind_op_program(m);

@@ -221,6 +221,20 @@ struct Tile {
   int64_t next_bytes_per_pair;
 };
 
+// Asks for the weights ahead of pair row p: into L1, into L2 where the tile streams them from
+// memory, and its share of the next block where it computes from cache (see run_tasks).
+template <typename Mul, typename O>
+__attribute__((always_inline)) inline void prefetch_ahead(const Tile<Mul, O>& t, int64_t p) {
+  using W = typename Mul::W;
+  const W* w = t.w + p * kPairElems<W>;
+  prefetch_pair<_MM_HINT_T0>(w + pairs_in<W>(kPrefetchBytes) * kPairElems<W>);
+  if (t.streams) prefetch_pair<_MM_HINT_T1>(w + pairs_in<W>(kStreamAheadBytes) * kPairElems<W>);
+  if (t.next) {
+    const char* line = t.next + p * t.next_bytes_per_pair;
+    for (int64_t b = 0; b < t.next_bytes_per_pair; b += 64) _mm_prefetch(line + b, _MM_HINT_T1);
+  }
+}
+
 // Adds pair rows [begin, end) times x to sums, the tile's float32 accumulators.
 template <typename Mul, int R, typename O, typename Prefetch>
 void add_pairs(typename Mul::Isa::F (&sums)[R][kVecs<typename Mul::Isa>], const Tile<Mul, O>& t,
@@ -231,27 +245,59 @@ void add_pairs(typename Mul::Isa::F (&sums)[R][kVecs<typename Mul::Isa>], const 
   }
 }
 
-// kAct < 0: the matmul (times each feature's scale, plus bias); else act(gate) * up with
-// activate<kAct> (cpu_vec.h) on a gated bfloat16 weight, rounded as the unfused matmul then
-// act_and_mul round. Registers [0, V/2) hold a block's low features, [V/2, V) its high ones.
+// A tile's float32 sums as its outputs, a row at a time: times each feature's scale (int8 rows),
+// plus bias; kAct < 0: stored; else act(gate) * up with activate<kAct> (cpu_vec.h) on a gated
+// bfloat16 weight, rounded as the unfused matmul then act_and_mul round. Registers [0, V/2) hold
+// a block's low features, [V/2, V) its high ones.
+template <typename Mul, typename O>
+struct Epilogue {
+  using I = typename Mul::Isa;
+  using F = typename I::F;
+  static constexpr int V = kVecs<I>, H = V / 2;
+  const Tile<Mul, O>& t;
+  int64_t cols[V];  // valid lanes of each register
+  F bias[V], scale[V];
+
+  explicit Epilogue(const Tile<Mul, O>& tile) : t(tile) {
+    for (int v = 0; v < V; ++v) {
+      const int64_t first = (v % H) * I::kLanes;
+      cols[v] = std::clamp<int64_t>((v < H ? t.cols_low : t.cols_high) - first, 0, I::kLanes);
+      const O* b = v < H ? t.bias_low : t.bias_high;
+      bias[v] = b ? I::load(b + first, cols[v]) : I::zero();
+      const float* s = v < H ? t.scale_low : t.scale_high;
+      scale[v] = s ? I::load(s + first, cols[v]) : I::zero();
+    }
+  }
+
+  template <int kAct>
+  void write(F (&acc)[V], int64_t r) const {
+    for (int v = 0; v < V; ++v)
+      acc[v] = t.scale_low ? I::fma(acc[v], scale[v], bias[v]) : I::add(acc[v], bias[v]);
+    if constexpr (kAct < 0) {
+      for (int v = 0; v < V; ++v)
+        I::store((v < H ? t.out_low : t.out_high) + r * t.out_stride + (v % H) * I::kLanes,
+                 acc[v], cols[v]);
+    } else {
+      for (int v = 0; v < H; ++v) {
+        const F act = I::round_bf16(I::template activate<kAct>(I::round_bf16(acc[v])));
+        I::store(t.out_low + r * t.out_stride + v * I::kLanes,
+                 I::mul(act, I::round_bf16(acc[v + H])), cols[v]);
+      }
+    }
+  }
+};
+
+// The tile of R rows of x (kAct: see Epilogue) in registers.
 template <typename Mul, typename O, int R, int kAct>
 void matmul_tile(const Tile<Mul, O>& t) {
   using I = typename Mul::Isa;
   using F = typename I::F;
-  constexpr int V = kVecs<I>, H = V / 2;
+  constexpr int V = kVecs<I>;
   using W = typename Mul::W;
   F acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = I::zero();
-  auto prefetch = [&](int64_t p) __attribute__((always_inline)) {  // ahead of pair row p
-    const W* w = t.w + p * kPairElems<W>;
-    prefetch_pair<_MM_HINT_T0>(w + pairs_in<W>(kPrefetchBytes) * kPairElems<W>);
-    if (t.streams) prefetch_pair<_MM_HINT_T1>(w + pairs_in<W>(kStreamAheadBytes) * kPairElems<W>);
-    if (t.next) {
-      const char* line = t.next + p * t.next_bytes_per_pair;
-      for (int64_t b = 0; b < t.next_bytes_per_pair; b += 64) _mm_prefetch(line + b, _MM_HINT_T1);
-    }
-  };
+  auto prefetch = [&](int64_t p) __attribute__((always_inline)) { prefetch_ahead(t, p); };
   if constexpr (Mul::kGroups) {
     const int64_t groups = (t.pairs + t.group_pairs - 1) / t.group_pairs;
     const typename Mul::P* group = t.groups;
@@ -297,42 +343,25 @@ void matmul_tile(const Tile<Mul, O>& t) {
   } else {
     add_pairs<Mul, R>(acc, t, 0, t.pairs, prefetch);
   }
-  int64_t cols[V];  // valid lanes of each register
-  F bias[V], scale[V];
-  for (int v = 0; v < V; ++v) {
-    const int64_t first = (v % H) * I::kLanes;
-    cols[v] = std::clamp<int64_t>((v < H ? t.cols_low : t.cols_high) - first, 0, I::kLanes);
-    const O* b = v < H ? t.bias_low : t.bias_high;
-    bias[v] = b ? I::load(b + first, cols[v]) : I::zero();
-    const float* s = v < H ? t.scale_low : t.scale_high;
-    scale[v] = s ? I::load(s + first, cols[v]) : I::zero();
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < V; ++v)
-      acc[r][v] = t.scale_low ? I::fma(acc[r][v], scale[v], bias[v]) : I::add(acc[r][v], bias[v]);
-    if constexpr (kAct < 0) {
-      for (int v = 0; v < V; ++v)
-        I::store((v < H ? t.out_low : t.out_high) + r * t.out_stride + (v % H) * I::kLanes,
-                 acc[r][v], cols[v]);
-    } else {
-      for (int v = 0; v < H; ++v) {
-        const F act = I::round_bf16(I::template activate<kAct>(I::round_bf16(acc[r][v])));
-        I::store(t.out_low + r * t.out_stride + v * I::kLanes,
-                      I::mul(act, I::round_bf16(acc[r][v + H])), cols[v]);
-      }
-    }
-  }
+  const Epilogue<Mul, O> out(t);
+  for (int r = 0; r < R; ++r) out.template write<kAct>(acc[r], r);
 }
 
 template <typename Mul, typename O>
 using TileFn = void (*)(const Tile<Mul, O>&);
+// Whether Mul multiplies in AMX tiles (packed_matmul_amx.h) rather than vector registers.
+template <typename Mul>
+constexpr bool kAmx = requires { Mul::kAmxTiles; };
 template <typename Mul, typename O, int kAct, int... R>
 constexpr std::array<TileFn<Mul, O>, sizeof...(R)> tile_table(std::integer_sequence<int, R...>) {
-  return {&matmul_tile<Mul, O, R + 1, kAct>...};
+  if constexpr (kAmx<Mul>)
+    return {&Mul::template tile<O, R + 1, kAct>...};
+  else
+    return {&matmul_tile<Mul, O, R + 1, kAct>...};
 }
 template <typename Mul>
 constexpr int tile_rows() {
-  if constexpr (Mul::kIntegerDots) return Mul::kRows;
+  if constexpr (Mul::kIntegerDots || kAmx<Mul>) return Mul::kRows;
   else if constexpr (Mul::kGroups) return Mul::Isa::kMaxGroupedRows;
   else return Mul::Isa::kMaxRows;
 }

@@ -224,6 +224,7 @@ void run_tasks(const typename Mul::X* xs, int64_t x_stride, const typename Mul::
   {
 #pragma omp for schedule(dynamic, grab)
     for (int64_t task = 0; task < tasks; ++task) run_task(task);
+    if constexpr (kAmx<Mul>) Mul::finish();
   }
 }
 

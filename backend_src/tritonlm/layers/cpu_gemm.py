@@ -1,18 +1,22 @@
 """CPU matmuls on bfloat16 weights packed once for the kernel that runs them (F.linear on a plain
 [out, in] weight reorders it on every call, which costs as much as a small-batch matmul):
 
-- tritonlm's kernel (csrc/bf16_matmul.cpp) on CPUs with AVX512-BF16 and no AMX, multiplying with
-  bf16 dot products or with float32 FMAs on widened weights, whichever this CPU issues faster
-  (Zen 4/5: dot products, twice the FLOPs; Intel Xeons: FMAs, twice the FLOPs of their dot
-  products). Measured on Zen 4: 1.8-2x oneDNN at 1-4 rows, 1.2-1.3x at 32 (decode), equal at
-  prompt sizes. Where its tiles widen as they go, a prompt's matmul may run faster as float32
-  sgemm on the weight widened once (sgemm_rows_for_this_cpu measures it);
-- the same kernel's widened FMAs on AVX512 CPUs without AVX512-BF16, where oneDNN emulates bf16
+- tritonlm's kernel (csrc/bf16_matmul.cpp) in AMX tiles where the CPU has them (Intel Sapphire
+  Rapids and later; the packed layout is AMX's). 2 Emerald Rapids cores, SmolLM2's 30 layers of
+  matmuls, rows 1 / 8 / 32 / 128 / 512: 9.2 / 9.7 / 12.5 / 26.7 / 85 ms against oneDNN's AMX
+  matmul's 13.2 / 13.1 / 18.5 / 24.7 / 127 and the AVX512 FMA tiles' 9.7 / 12.1 / 34 / 113 / 543;
+- the same kernel's vector tiles elsewhere, and on AMX CPUs where K is not a multiple of 32:
+  with AVX512-BF16, bf16 dot products or float32 FMAs on widened weights, whichever this CPU
+  issues faster (Zen 4/5: dot products, twice the FLOPs; Intel Xeons: FMAs, twice the FLOPs of
+  their dot products). Measured on Zen 4: 1.8-2x oneDNN at 1-4 rows, 1.2-1.3x at 32 (decode),
+  equal at prompt sizes. Where its tiles widen as they go, a prompt's matmul may run faster as
+  float32 sgemm on the weight widened once (sgemm_rows_for_this_cpu measures it);
+- the widened FMAs on AVX512 CPUs without AVX512-BF16, where oneDNN emulates bf16
   (Cascade Lake, SmolLM2's matmuls: 1.3x oneDNN at 1 row, 2.2-2.6x at 16-32, 2.2x at 512), and
   its AVX2 build (8 lanes) on CPUs without AVX512, where oneDNN has no bf16 matmul and PyTorch's
   runs under 1 GFLOPS;
-- oneDNN's blocked layout elsewhere: AMX tiles, which an AVX512 kernel cannot match on prompts,
-  or no built kernels.
+- oneDNN's blocked layout where no kernels are built (or an AMX CPU's kernels cannot use its
+  tiles).
 
 float32 keeps F.linear (MKL), which is as fast as either.
 """
@@ -25,12 +29,32 @@ import torch.nn.functional as F
 
 from tritonlm.layers import cpu_kernels, huge_pages
 
-# "dot" or "fma" forces how the kernel multiplies (benchmarks, tests); unset, it measures.
+# "amx", "dot" or "fma" forces how the kernel multiplies (benchmarks, tests); unset: AMX tiles
+# where the CPU has them, else the measured faster of the other two.
 MULTIPLY_ENV = "TRITONLM_BF16_MATMUL"
+MULTIPLY_WAYS = ("amx", "dot", "fma")
 # From how many rows the kernels hand a widened weight to float32 sgemm (0: never), bf16 and
 # quantized weights alike; unset, they measure.
 SGEMM_ROWS_ENV = "TRITONLM_BF16_SGEMM_ROWS"
 PROMPT_ROWS = 512
+
+
+def _forced_multiply(kernels) -> str:
+    forced = os.environ.get(MULTIPLY_ENV, "")
+    if forced not in ("", *MULTIPLY_WAYS):
+        raise ValueError(f"{MULTIPLY_ENV} must be one of {MULTIPLY_WAYS}, got {forced!r}")
+    if forced == "dot" and not kernels.has_bf16_dot_products:
+        raise ValueError(f"{MULTIPLY_ENV}=dot: this CPU has no AVX512-BF16 dot products")
+    if forced == "amx" and not kernels.has_amx_tiles:
+        raise ValueError(f"{MULTIPLY_ENV}=amx: this CPU (or this build) has no AMX tiles")
+    return forced
+
+
+@functools.cache
+def amx_for_this_cpu(kernels) -> bool:
+    """Whether the kernel multiplies in AMX tiles (where K is a multiple of 32): wherever the
+    CPU has them, unless MULTIPLY_ENV names another way."""
+    return _forced_multiply(kernels) in ("", "amx") and kernels.has_amx_tiles
 
 
 @functools.cache
@@ -38,12 +62,8 @@ def widen_for_this_cpu(kernels) -> bool:
     """Whether the kernel should multiply with float32 FMAs rather than bf16 dot products: the
     way that does more FLOPs per second on this CPU, measured once per process (a few ms), or
     the one MULTIPLY_ENV names (read once)."""
-    forced = os.environ.get(MULTIPLY_ENV, "")
-    if forced not in ("", "dot", "fma"):
-        raise ValueError(f"{MULTIPLY_ENV} must be 'dot' or 'fma', got {forced!r}")
-    if forced == "dot" and not kernels.has_bf16_dot_products:
-        raise ValueError(f"{MULTIPLY_ENV}=dot: this CPU has no AVX512-BF16 dot products")
-    if forced:
+    forced = _forced_multiply(kernels)
+    if forced in ("dot", "fma"):
         return forced == "fma"
     return not kernels.has_bf16_dot_products or kernels.bf16_dot_product_speedup() < 1
 
@@ -96,9 +116,11 @@ class PairBlockWeight:
     block = 32
 
     def __init__(self, weight: torch.Tensor, kernels, gated: bool = False,
-                 widen: bool | None = None, sgemm_rows: int | None = None):
+                 widen: bool | None = None, sgemm_rows: int | None = None,
+                 amx: bool | None = None):
         self.out_features, self.in_features = weight.shape
         self.gated, self.kernels = gated, kernels
+        self.amx = amx_for_this_cpu(kernels) if amx is None else amx
         self.widen = widen_for_this_cpu(kernels) if widen is None else widen
         self.sgemm_rows = (sgemm_rows_for_this_cpu(kernels, self.widen) if sgemm_rows is None
                            else sgemm_rows)
@@ -114,7 +136,7 @@ class PairBlockWeight:
             bias = bias.to(torch.bfloat16).contiguous()
         out = self.kernels.bf16_matmul(rows, self.data, self.out_features, self.gated, bias,
                                        -1 if activation is None else activation, self.widen,
-                                       self.sgemm_rows)
+                                       self.sgemm_rows, self.amx)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def dense(self) -> torch.Tensor:
@@ -190,7 +212,9 @@ def bf16_matmul_backend() -> str | None:
     only PyTorch's generic bfloat16 matmul would."""
     kernels = cpu_kernels.load()
     amx = "amx_bf16" in cpu_kernels.cpu_flags()
-    if kernels is not None and not amx:
+    if kernels is not None and (kernels.has_amx_tiles or not amx):
+        if amx_for_this_cpu(kernels):
+            return "tritonlm's packed matmul (AMX)"
         if kernels.has_bf16_dot_products:
             return "tritonlm's packed matmul (AVX512-BF16)"
         width = "AVX2" if kernels.vector_lanes == 8 else "AVX512"

@@ -1,0 +1,124 @@
+// bfloat16 matmuls in AMX tiles (Intel Sapphire Rapids and later), in the packed matmul's tasks
+// and epilogue (packed_matmul_tasks.h, packed_matmul.h). The packed layout is the one TDPBF16PS
+// multiplies: 16 pair rows of a block's 16 low (or high) features are a B tile as they lie (rows
+// 128 bytes apart), and x's rows are A tiles read in place, 32 k a tile row. A tile of up to 32
+// rows keeps its sums in four C tiles (16 rows x 16 features each). Used where K is a multiple of
+// 32 (a whole B tile per step; other K run the vector tiles).
+// On 2 Emerald Rapids cores against oneDNN's AMX matmul, which it replaced: see cpu_gemm.py.
+#pragma once
+#include "packed_matmul.h"
+
+#if defined(TRITONLM_PACKED_MATMUL) && defined(CPU_CAPABILITY_AVX512) && \
+    defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define TRITONLM_AMX
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace tritonlm {
+namespace packed_matmul {
+
+// Whether this process may use AMX: Linux gives a process the tiles' state only once it asks
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); without it the first tile instruction faults.
+inline bool amx_permitted() {
+  constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool permitted = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  return permitted;
+}
+
+struct AmxTiles {
+  using X = uint16_t;
+  using W = uint16_t;
+  using P = void;
+  using Isa = Avx512;
+  using O = uint16_t;  // bfloat16 outputs only
+  static constexpr bool kAmxTiles = true;
+  static constexpr bool kGroups = false;
+  static constexpr bool kPrewidens = false;
+  static constexpr bool kIntegerDots = false;
+  static constexpr int kRows = 32;  // two A tiles of 16 rows
+  static constexpr int kTileRows = 16;
+  static constexpr int64_t kStepPairs = 16;  // pair rows in a B tile: 32 k
+  static constexpr int64_t kRowBytes = 64;   // a tile row: 16 float32 or 16 bf16 pairs
+
+  // Tiles 0-3: C, rows [0, 16) x low, x high; rows [16, R) x low, x high. 4, 5: A of those rows;
+  // 6, 7: B, low and high. A thread keeps its configuration for R until R changes or its
+  // matmul ends.
+  static void configure(int rows) {
+    if (configured() == rows) return;
+    struct alignas(64) {
+      uint8_t palette = 1, start_row = 0, reserved[14] = {};
+      uint16_t colsb[16] = {};
+      uint8_t rows[16] = {};
+    } config;
+    const int first = std::min(rows, kTileRows), second = rows - first;
+    for (int tile : {0, 1, 4}) config.rows[tile] = first;
+    for (int tile : {2, 3, 5}) config.rows[tile] = second;
+    for (int tile : {6, 7}) config.rows[tile] = kStepPairs;
+    for (int tile = 0; tile < 8; ++tile) config.colsb[tile] = config.rows[tile] ? kRowBytes : 0;
+    // GCC 12 dropped the stores to colsb as dead before the ldtilecfg (which then faulted on
+    // zero-width tiles); the barrier makes them land.
+    asm volatile("" : : "r"(&config) : "memory");
+    _tile_loadconfig(&config);
+    configured() = rows;
+  }
+
+  template <typename, int R, int kAct>
+  static void tile(const Tile<AmxTiles, O>& t) {
+    constexpr bool kTwo = R > kTileRows;  // a second A tile and its two C tiles
+    configure(R);
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (kTwo) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    const int64_t x_bytes = t.x_stride * static_cast<int64_t>(sizeof(X));
+    const X* x_second = t.x + kTileRows * t.x_stride;
+    for (int64_t p = 0; p < t.pairs; p += kStepPairs) {
+      for (int64_t q = p; q < p + kStepPairs; ++q) prefetch_ahead(t, q);
+      const W* w = t.w + p * kPairElems<W>;
+      _tile_loadd(6, w, kPairElems<W> * sizeof(W));
+      _tile_loadd(7, w + kBlock, kPairElems<W> * sizeof(W));
+      _tile_loadd(4, t.x + 2 * p, x_bytes);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if constexpr (kTwo) {
+        _tile_loadd(5, x_second + 2 * p, x_bytes);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    alignas(64) float sums[R][kBlock];  // row r: its 16 low features' sums, then the high ones'
+    constexpr int64_t kStride = kBlock * sizeof(float);
+    _tile_stored(0, &sums[0][0], kStride);
+    _tile_stored(1, &sums[0][16], kStride);
+    if constexpr (kTwo) {
+      _tile_stored(2, &sums[kTileRows][0], kStride);
+      _tile_stored(3, &sums[kTileRows][16], kStride);
+    }
+    const Epilogue<AmxTiles, O> out(t);
+    for (int r = 0; r < R; ++r) {
+      __m512 acc[2] = {_mm512_load_ps(sums[r]), _mm512_load_ps(sums[r] + 16)};
+      out.template write<kAct>(acc, r);
+    }
+  }
+
+  // At the end of a thread's share of a matmul: the tiles handed back (their 8 KB of state no
+  // longer saved at each context switch).
+  static void finish() {
+    if (configured()) _tile_release();
+    configured() = 0;
+  }
+
+ private:
+  static int& configured() {  // the rows this thread's tiles are configured for, or 0
+    thread_local int rows = 0;
+    return rows;
+  }
+};
+
+}  // namespace packed_matmul
+}  // namespace tritonlm
+
+#endif
