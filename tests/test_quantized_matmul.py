@@ -134,16 +134,21 @@ def assert_packed_params(layer: QuantizedWeight, half: bool) -> None:
 @pytest.mark.skipif(not OURS, reason="no AVX2 + FMA: torch's kernels run")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,multiply", [(1, "tiles"), (3, "tiles"), (13, "tiles"),
-                                           (200, "tiles"), (3, "sgemm"), (200, "sgemm")])
+                                           (200, "tiles"), (3, "sgemm"), (200, "sgemm"),
+                                           (1, "amx"), (13, "amx"), (40, "amx"), (200, "amx")])
 @pytest.mark.parametrize("out_features,in_features", [(50, 34), (96, 224), (7, 2), (40, 33)])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_our_packed_kernel_takes_any_shape(layout, dtype, rows, out_features, in_features,
                                            multiply, monkeypatch):
     """Rows around the kernel's row tiles (AVX2: 2-6, AVX512: 6-12; a prompt's several tiles share
-    a block widened once) and 192-row chunks, features short of its 32-column blocks, an odd
-    input (the last one pairs with padding), groups shorter at the end; the packed copy replaces
-    the storage. sgemm: the weight dequantized whole for float32 sgemm, as prompts run where that
-    is faster."""
+    a block widened once; AMX: 16 and 32) and 192-row chunks, features short of its 32-column
+    blocks, an odd input (the last one pairs with padding), groups shorter at the end; the packed
+    copy replaces the storage. sgemm: the weight dequantized whole for float32 sgemm, as prompts
+    run where that is faster; amx: each block dequantized to bfloat16 for AMX tiles (bfloat16
+    inputs, K a multiple of 32; the others run the tiles)."""
+    if multiply == "amx" and not cpu_kernels.load().has_amx_tiles:
+        pytest.skip("this CPU (or this build) has no AMX tiles")
+    monkeypatch.setattr(quantized_matmul, "AMX_ROWS", 1 if multiply == "amx" else 0)
     monkeypatch.setenv(cpu_gemm.SGEMM_ROWS_ENV, "1" if multiply == "sgemm" else "0")
     monkeypatch.setattr(quantized_matmul, "sgemm_rows_for_this_cpu",  # read it, cache nothing
                         quantized_matmul.sgemm_rows_for_this_cpu.__wrapped__)
@@ -205,10 +210,12 @@ INT8_INPUT_LAYOUTS = {  # name -> as LAYOUTS'
                                                       (33, 300)])
 @pytest.mark.parametrize("layout", INT8_INPUT_LAYOUTS)
 def test_int8_inputs_give_quantized_weights_the_int8_math(layout, out_features, in_features, rows,
-                                                          dtype):
+                                                          dtype, monkeypatch):
     """Inputs under int8_rows(bits) rows (decode sizes; every size for 4 bits with AVX512-VNNI)
     quantized per row and group: every group size class, a group of zeros, features short of a
-    32-column block, int8 rows wider than ROW_GROUP_SIZE; from int8_rows rows the float math."""
+    32-column block, int8 rows wider than ROW_GROUP_SIZE; from int8_rows rows the float math.
+    (AMX tiles, which take bfloat16 inputs from AMX_ROWS rows where the CPU has them, off.)"""
+    monkeypatch.setattr(quantized_matmul, "AMX_ROWS", 0)
     limit = int8_rows(cpu_kernels.load(), INT8_INPUT_LAYOUTS[layout][0])
     if rows >= limit:
         pytest.skip(f"these weights take int8 inputs under {limit} rows")

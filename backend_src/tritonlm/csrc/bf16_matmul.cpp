@@ -3,7 +3,6 @@
 // cores (30 SmolLM2 layers, cold weights): 1.8-2x oneDNN's bf16 matmul at 1-4 rows, 1.2-1.3x at
 // 32, equal at 2048.
 #include "packed_matmul_amx.h"
-#include "packed_matmul_tasks.h"
 
 #ifdef TRITONLM_PACKED_MATMUL
 

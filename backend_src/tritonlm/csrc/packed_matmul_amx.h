@@ -1,12 +1,13 @@
 // bfloat16 matmuls in AMX tiles (Intel Sapphire Rapids and later), in the packed matmul's tasks
-// and epilogue (packed_matmul_tasks.h, packed_matmul.h). The packed layout is the one TDPBF16PS
+// and epilogue (packed_matmul_tasks.h, packed_matmul.h); quantized weights' prompts too, each block
+// dequantized to bfloat16 first (AmxOnDequantized). The packed layout is the one TDPBF16PS
 // multiplies: 16 pair rows of a block's 16 low (or high) features are a B tile as they lie (rows
 // 128 bytes apart), and x's rows are A tiles read in place, 32 k a tile row. A tile of up to 32
 // rows keeps its sums in four C tiles (16 rows x 16 features each). Used where K is a multiple of
 // 32 (a whole B tile per step; other K run the vector tiles).
 // On 2 Emerald Rapids cores against oneDNN's AMX matmul, which it replaced: see cpu_gemm.py.
 #pragma once
-#include "packed_matmul.h"
+#include "packed_matmul_tasks.h"
 
 #if defined(TRITONLM_PACKED_MATMUL) && defined(CPU_CAPABILITY_AVX512) && \
     defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -115,6 +116,30 @@ struct AmxTiles {
   static int& configured() {  // the rows this thread's tiles are configured for, or 0
     thread_local int rows = 0;
     return rows;
+  }
+};
+
+// A quantized weight (Q: its vector multiply, for its layout and dequantization) on a prompt:
+// run_tasks dequantizes each block once into bfloat16 pairs, the layout AMX tiles multiply (int8
+// rows keep their values, exact in bfloat16: the epilogue scales the sums; grouped values are
+// rounded to bfloat16), then multiplies the chunk's rows in AMX tiles.
+template <typename Q>
+struct AmxOnDequantized : Q {
+  using X = uint16_t;  // bfloat16 rows
+  using Dequantized = AmxTiles;
+  static void dequantize(const typename Q::W* w, int64_t pairs, const typename Q::P* groups,
+                         int64_t group_pairs, uint16_t* out) {
+    // [even 0..15, odd 0..15] as bf16 to pairs (even l, odd l)
+    alignas(64) static constexpr uint16_t kInterleave[32] = {
+        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i interleave = _mm512_load_si512(kInterleave);
+    dequantize_block<Q>(w, pairs, groups, group_pairs, [&](int64_t p, int v, __m512 even,
+                                                           __m512 odd) {
+      const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));
+      _mm512_storeu_si512(out + p * kPairElems<uint16_t> + v * 2 * Avx512::kLanes,
+                          _mm512_permutexvar_epi16(interleave, halves));
+    });
   }
 };
 

@@ -41,11 +41,11 @@ const typename Mul::P* block_groups(const Dequant& d, int64_t pairs, int64_t blo
   }
 }
 
-// A block's pair rows widened and dequantized to float32 at `out` [pairs, 64], in the order
-// WidenedFma<Isa, float, ...> reads them (int8 rows keep their values: the tiles scale the sums).
-template <typename Mul>
-void prewiden(const typename Mul::W* w, int64_t pairs, const typename Mul::P* groups,
-              int64_t group_pairs, float* out) {
+// A block's pair rows widened and dequantized to float32 (int8 rows keep their values: the
+// tiles scale the sums), each register's even and odd values handed to store(p, v, even, odd).
+template <typename Mul, typename Store>
+void dequantize_block(const typename Mul::W* w, int64_t pairs, const typename Mul::P* groups,
+                      int64_t group_pairs, Store store) {
   using I = typename Mul::Isa;
   using W = typename Mul::W;
   for (int64_t p = 0; p < pairs; ++p) {
@@ -59,10 +59,22 @@ void prewiden(const typename Mul::W* w, int64_t pairs, const typename Mul::P* gr
         even = I::fma(even, scale, bias);
         odd = I::fma(odd, scale, bias);
       }
-      I::store(out + p * 2 * kBlock + v * 2 * I::kLanes, even);
-      I::store(out + p * 2 * kBlock + v * 2 * I::kLanes + I::kLanes, odd);
+      store(p, v, even, odd);
     }
   }
+}
+
+// The block dequantized to float32 at `out` [pairs, 64], in the order WidenedFma<Isa, float, ...>
+// reads it.
+template <typename Mul>
+void prewiden(const typename Mul::W* w, int64_t pairs, const typename Mul::P* groups,
+              int64_t group_pairs, float* out) {
+  using I = typename Mul::Isa;
+  dequantize_block<Mul>(w, pairs, groups, group_pairs,
+                        [&](int64_t p, int v, typename I::F even, typename I::F odd) {
+    I::store(out + p * 2 * kBlock + v * 2 * I::kLanes, even);
+    I::store(out + p * 2 * kBlock + v * 2 * I::kLanes + I::kLanes, odd);
+  });
 }
 
 // The packed weight as a dense float32 [out_features, k] in feature order, for float32 sgemm on
@@ -141,6 +153,15 @@ inline int64_t even_grab(int64_t tasks, int threads) {
   return kTasksPerGrab;
 }
 
+// After a thread's share of a matmul: AMX tiles handed back.
+template <typename Mul>
+void finish_tiles() {
+  if constexpr (kAmx<Mul>)
+    Mul::finish();
+  else if constexpr (requires { typename Mul::Dequantized; })
+    finish_tiles<typename Mul::Dequantized>();
+}
+
 // xs: x [m, 2 * pairs] as Mul multiplies it, rows x_stride apart; the packed weight, how to
 // dequantize it, the bias or null, out [m, out_cols].
 template <typename Mul, typename O>
@@ -196,16 +217,24 @@ void run_tasks(const typename Mul::X* xs, int64_t x_stride, const typename Mul::
                       row_tiles == 1, next, next_per_pair});
       }
     };
-    if constexpr (Mul::kPrewidens) {
-      if (rows >= Mul::Isa::kPrewidenRows) {  // widened once for the chunk's many row tiles
-        thread_local std::vector<float> widened;
-        widened.resize(pairs * 2 * kBlock);
-        prewiden<Mul>(w, pairs, groups, d.group_pairs, widened.data());
-        run_tiles(Type<Wide>{}, widened.data());
-        return;
+    if constexpr (requires { typename Mul::Dequantized; }) {  // a prompt in AMX tiles
+      using D = typename Mul::Dequantized;
+      thread_local std::vector<typename D::W> dequantized;
+      dequantized.resize(pairs * kPairElems<typename D::W>);
+      Mul::dequantize(w, pairs, groups, d.group_pairs, dequantized.data());
+      run_tiles(Type<D>{}, dequantized.data());
+    } else {
+      if constexpr (Mul::kPrewidens) {
+        if (rows >= Mul::Isa::kPrewidenRows) {  // widened once for the chunk's many row tiles
+          thread_local std::vector<float> widened;
+          widened.resize(pairs * 2 * kBlock);
+          prewiden<Mul>(w, pairs, groups, d.group_pairs, widened.data());
+          run_tiles(Type<Wide>{}, widened.data());
+          return;
+        }
       }
+      run_tiles(Type<Mul>{}, w);
     }
-    run_tiles(Type<Mul>{}, w);
   };
   // Tasks of several row tiles: threads take kTasksPerGrab tasks at a time rather than a fixed
   // half each: on a machine that also runs the server and its clients, a thread preempted
@@ -224,7 +253,7 @@ void run_tasks(const typename Mul::X* xs, int64_t x_stride, const typename Mul::
   {
 #pragma omp for schedule(dynamic, grab)
     for (int64_t task = 0; task < tasks; ++task) run_task(task);
-    if constexpr (kAmx<Mul>) Mul::finish();
+    finish_tiles<Mul>();
   }
 }
 

@@ -10,9 +10,11 @@
 //   they are exact in it (WidenedFma's Params).
 // A prompt's row tiles share a block widened once (prewiden in packed_matmul.h), or, where the
 // caller measured float32 sgemm faster (sgemm_rows), the whole weight is dequantized once for it.
-// Below int8_rows rows, grouped weights multiply x quantized to int8 (packed_matmul_int8_dots.h).
+// Below int8_rows rows, grouped weights multiply x quantized to int8 (packed_matmul_int8_dots.h);
+// from amx_rows rows of bfloat16 x, AMX tiles multiply each block dequantized to bfloat16
+// (packed_matmul_amx.h).
+#include "packed_matmul_amx.h"
 #include "packed_matmul_int8_dots.h"
-#include "packed_matmul_tasks.h"
 
 namespace tritonlm {
 
@@ -83,12 +85,25 @@ Dequant dequant_of(const std::optional<at::Tensor>& row_scales,
 
 // O: the output's element, x's (float, or bfloat16 as uint16_t).
 template <typename O>
-void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4, bool int8_dots,
+void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4, bool int8_dots, bool amx,
              const std::optional<at::Tensor>& row_scales,
              const std::optional<at::Tensor>& groups, int64_t group_size,
              const std::optional<at::Tensor>& bias, at::Tensor& out, const Shape& shape) {
   using T = std::conditional_t<std::is_same_v<O, float>, float, c10::BFloat16>;
   const int64_t pairs = x.size(1) / 2;
+#ifdef TRITONLM_AMX
+  if constexpr (std::is_same_v<O, uint16_t>) {
+    if (amx) {
+      const auto* rows = reinterpret_cast<const uint16_t*>(x.data_ptr());
+      with_layout(int4, groups, [&](auto type) {
+        run_on<AmxOnDequantized<typename decltype(type)::type>, O>(
+            rows, x.stride(0), packed, pairs, dequant_of(row_scales, groups, group_size, nullptr),
+            bias, out, shape);
+      });
+      return;
+    }
+  }
+#endif
   if (int8_dots) {
     const QuantizedRows& q = quantize_rows<T>(x, groups->size(1), group_size);
     const Dequant dequant =
@@ -121,7 +136,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const std::optional<at::Tensor>& row_scales,
                             const std::optional<at::Tensor>& groups, int64_t group_size,
                             int64_t out_features, const std::optional<at::Tensor>& bias,
-                            int64_t sgemm_rows, int64_t int8_rows,
+                            int64_t sgemm_rows, int64_t int8_rows, int64_t amx_rows,
                             const std::optional<at::Tensor>& out) {
   using namespace packed_matmul;
   const auto dtype = x.scalar_type();
@@ -157,9 +172,15 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                         bias->numel() == out_features),
               "quantized_matmul: bias must be ", out_features, " contiguous values of x's dtype");
   const Shape shape{m, out_features, out_features, kBlock / 2, blocks, false};
-  const bool int8_dots = groups && m < int8_rows;
+#ifdef TRITONLM_AMX
+  const bool amx = amx_rows > 0 && m >= amx_rows && dtype == at::kBFloat16 && k % 32 == 0 &&
+                   amx_permitted();
+#else
+  const bool amx = false;
+#endif
+  const bool int8_dots = !amx && groups && m < int8_rows;
   // prompts on float inputs: the weight dequantized once, sgemm
-  if (!int8_dots && sgemm_rows > 0 && m >= sgemm_rows) {
+  if (!amx && !int8_dots && sgemm_rows > 0 && m >= sgemm_rows) {
     at::Tensor dense;
     with_layout(int4, groups, [&](auto type) {
       using Mul = typename decltype(type)::type;
@@ -173,10 +194,10 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
   if (m == 0) return result;
   const at::Tensor even = k % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
   if (dtype == at::kFloat)
-    run_for<float>(even, packed, int4, int8_dots, row_scales, groups, group_size, bias, result,
-                   shape);
+    run_for<float>(even, packed, int4, int8_dots, amx, row_scales, groups, group_size, bias,
+                   result, shape);
   else
-    run_for<uint16_t>(even, packed, int4, int8_dots, row_scales, groups, group_size, bias,
+    run_for<uint16_t>(even, packed, int4, int8_dots, amx, row_scales, groups, group_size, bias,
                       result, shape);
   return result;
 }
@@ -188,7 +209,7 @@ bool has_int4_quads() {
 at::Tensor quantized_matmul(const at::Tensor&, const at::Tensor&,
                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                             int64_t, int64_t, const std::optional<at::Tensor>&, int64_t,
-                            int64_t, const std::optional<at::Tensor>&) {
+                            int64_t, int64_t, const std::optional<at::Tensor>&) {
   TORCH_CHECK(false, "quantized_matmul: built for a CPU without AVX2 + FMA");
 }
 bool has_vnni_dot_products() { return false; }

@@ -6,7 +6,8 @@
   SmolLM2's int8 matmul shapes 6-12x faster than torch's int8 kernel with float32 inputs,
   1.3-1.5x with bfloat16 ones. With `int8_inputs`, inputs of under `int8_rows` rows (decode
   batches; with AVX512-VNNI, every 4-bit matmul) are quantized to int8 per row and group and
-  multiplied with integer dot products (w4a8, w8a8);
+  multiplied with integer dot products (w4a8, w8a8); on CPUs with AMX, bfloat16 inputs from
+  AMX_ROWS rows (batches, prompts) multiply each block dequantized to bfloat16 in AMX tiles;
 - CPU otherwise: torch's int4 kernel (groups of 32-256, output rows a multiple of 16) or int8
   kernel (a scale per row), on the storage or a copy in its layout;
 - CUDA with OpenAI Triton installed: our Triton kernel (triton_quant_matmul.py), any layout.
@@ -38,6 +39,12 @@ INT8_ROWS = {4: 256, 8: 64}
 # int8 weights keep float inputs from 64 rows all the same: int8 inputs on prompts raised
 # SmolLM2's int8 perplexity 2.5% over bf16 (42.31 vs 41.25), past the 1% int8 weights keep.
 VNNI_INT8_ROWS = {4: 1 << 62, 8: 64}
+# Rows from which bfloat16 inputs multiply each block dequantized to bfloat16 in AMX tiles, where
+# the CPU has them (2 Emerald Rapids cores, SmolLM2's shapes, against VNNI int8 inputs (int4 g32)
+# or float tiles (int8 rows) at 1 / 16 / 32 / 200 / 2048 rows: int4 0.34x / 1.07x / 1.70x / 2.05x
+# / 2.30x, int8 1.13x at 16 rows, 1.73x at 32, 3.0-3.7x from 200). Below, the dequantizing is
+# not shared by enough rows.
+AMX_ROWS = 32
 # The groups int8 weights with a scale per row take for int8 inputs: x's scales follow its
 # values over 128 features, not the whole row.
 ROW_GROUP_SIZE = 128
@@ -141,9 +148,12 @@ class PairBlocks(nn.Module):
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
                  g_idx: torch.Tensor, group_size: int, kernels, sgemm_rows: int | None = None,
-                 int8_rows: int = 0):
+                 int8_rows: int = 0, amx_rows: int | None = None):
         super().__init__()
         self.out_features, self.kernels, self.int8_rows = values.shape[0], kernels, int8_rows
+        # prompts in AMX tiles, each block dequantized to bfloat16 (bfloat16 inputs)
+        self.amx_rows = (AMX_ROWS if cpu_gemm.amx_for_this_cpu(kernels) else 0
+                         ) if amx_rows is None else amx_rows
         # prompts: the weight dequantized once and run by float32 sgemm, where that is faster
         # than the kernel's tiles
         self.sgemm_rows = sgemm_rows_for_this_cpu(kernels) if sgemm_rows is None else sgemm_rows
@@ -180,7 +190,7 @@ class PairBlocks(nn.Module):
             row_scales, groups, group_size = None, self.row_groups, ROW_GROUP_SIZE
         out = self.kernels.quantized_matmul(flat, self.packed, row_scales, groups, group_size,
                                             self.out_features, None, self.sgemm_rows,
-                                            self.int8_rows)
+                                            self.int8_rows, self.amx_rows)
         return out.view(*x.shape[:-1], -1)
 
 
