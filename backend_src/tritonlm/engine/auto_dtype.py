@@ -5,9 +5,9 @@ right dtype on every host it is moved to.
 - CUDA: the checkpoint's half dtype; a float32 checkpoint in bfloat16 where the GPU has it, else
   float16 (vLLM's rule).
 - CPU: bfloat16 where this CPU multiplies bfloat16 weights with a packed kernel (tritonlm's on
-  AVX2 + FMA or AVX512, oneDNN's AMX or AVX512 one): a decode step reads half the bytes, and the
-  kernels accumulate in float32. Elsewhere float32: PyTorch's generic bfloat16 matmul runs under
-  1 GFLOPS.
+  AVX2 + FMA, AVX512 or AMX; oneDNN's AVX512 or AMX one without them): a decode step reads half
+  the bytes, and the kernels accumulate in float32. Elsewhere float32: PyTorch's generic bfloat16
+  matmul runs under 1 GFLOPS.
 
 quantized_activations "auto" likewise: int8 inputs for quantized weights where tritonlm's CPU
 kernels are built without AVX512 or with AVX512-VNNI (measured faster on both: the float path
