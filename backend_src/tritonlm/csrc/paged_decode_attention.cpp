@@ -10,13 +10,31 @@
 #include "decode_attention_widened.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <vector>
 
 namespace tritonlm {
+double bf16_dot_product_speedup();  // bf16_matmul.cpp
+
 namespace {
 using namespace paged_decode;
+
+// Whether a bf16 cache is read with AVX512-BF16 dot products (attend_group_bf16) or widened for
+// float32 FMAs (attend_widened): the way this CPU issues more FLOPs with, as the bf16 matmul
+// chooses (TRITONLM_BF16_MATMUL=dot|fma forces it). Intel Xeons issue dot products at half the
+// FMAs' rate (2 Emerald Rapids cores, 30 SmolLM2 layers, 64 sequences x 500 keys: 53 ms with dot
+// products, 41 widened; 1 x 200: 0.60 / 0.52); Zen 4 at twice.
+bool bf16_attention_dots() {
+  static const bool dots = [] {
+    const char* forced = std::getenv("TRITONLM_BF16_MATMUL");
+    if (forced && std::strcmp(forced, "dot") == 0) return true;
+    if (forced && std::strcmp(forced, "fma") == 0) return false;
+    return bf16_dot_product_speedup() >= 1;
+  }();
+  return dots;
+}
 
 // n contiguous values to float32.
 template <typename T>
@@ -193,6 +211,7 @@ void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& val
   // first blocks as it ends a head. Split between threads, each fetched lines beside the other's:
   // 32 sequences x 192 keys, 30 layers, 7.4-8.1 -> 5.0-5.5 ms; 8 x 1024 8.5-9.7 -> 7.1 ms.
   const int64_t grab = B >= 4 * threads ? Hkv : 1;
+  [[maybe_unused]] const bool dots = bf16_attention_dots();  // AVX512-BF16 builds
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     Scratch scratch(G, D, bs);
@@ -203,7 +222,7 @@ void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& val
       const int64_t* next_rows = h + 1 < grab ? rows_ptr + (task + 1) * nb : nullptr;
 #ifdef TRITONLM_AVX512_BF16
       if constexpr (std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 32 == 0) {
-        if (bs % 16 == 0) {
+        if (bs % 16 == 0 && dots) {
           attend_group_bf16<kD>(q_ptr + b * q_stride + head * D, k_ptr, v_ptr,
                                 rows_ptr + task * nb, ctx_ptr[b],
                                 slopes ? slopes + head : nullptr, window,

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from tritonlm.layers import cpu_kernels, huge_pages
 
 # "amx", "dot" or "fma" forces how the kernel multiplies (benchmarks, tests); unset: AMX tiles
-# where the CPU has them, else the measured faster of the other two.
+# where the CPU has them, else the measured faster of the other two. Decode attention on a bf16
+# cache reads it the dot or fma way by the same rule (csrc/paged_decode_attention.cpp).
 MULTIPLY_ENV = "TRITONLM_BF16_MATMUL"
 MULTIPLY_WAYS = ("amx", "dot", "fma")
 # From how many rows the kernels hand a widened weight to float32 sgemm (0: never), bf16 and
