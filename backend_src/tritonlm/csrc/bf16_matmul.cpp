@@ -66,7 +66,7 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const int64_t out_cols = activation < 0 ? out_features : half;
   const Shape shape{m, out_features, out_cols, half, blocks, gated};
 #ifdef TRITONLM_AMX
-  amx = amx && k % (2 * AmxTiles::kStepPairs) == 0 && amx_permitted();
+  amx = amx && amx_takes(k);
 #else
   amx = false;
 #endif

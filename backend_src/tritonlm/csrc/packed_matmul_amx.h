@@ -119,6 +119,11 @@ struct AmxTiles {
   }
 };
 
+// Whether AMX tiles take a matmul over k input features here: whole B tiles, and the tile state.
+inline bool amx_takes(int64_t k) {
+  return k % (2 * AmxTiles::kStepPairs) == 0 && amx_permitted();
+}
+
 // A quantized weight (Q: its vector multiply, for its layout and dequantization) on a prompt:
 // run_tasks dequantizes each block once into bfloat16 pairs, the layout AMX tiles multiply (int8
 // rows keep their values, exact in bfloat16: the epilogue scales the sums; grouped values are

@@ -173,8 +173,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
               "quantized_matmul: bias must be ", out_features, " contiguous values of x's dtype");
   const Shape shape{m, out_features, out_features, kBlock / 2, blocks, false};
 #ifdef TRITONLM_AMX
-  const bool amx = amx_rows > 0 && m >= amx_rows && dtype == at::kBFloat16 && k % 32 == 0 &&
-                   amx_permitted();
+  const bool amx = amx_rows > 0 && m >= amx_rows && dtype == at::kBFloat16 && amx_takes(k);
 #else
   const bool amx = false;
 #endif
