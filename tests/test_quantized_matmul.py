@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tritonlm.layers import cpu_gemm, cpu_kernels, quantized_matmul
+from tritonlm.layers import cpu_gemm, cpu_kernels, fused_ops, quantized_matmul
+from tritonlm.layers.mlp import GatedMLP
 from tritonlm.layers.quantization import QuantizedWeight, dequantize, integer_values, pack_int4
 from tritonlm.layers.quantized_matmul import ROW_GROUP_SIZE, Int4Groups, PairBlocks, int8_rows
 
@@ -14,11 +15,12 @@ OURS = getattr(cpu_kernels.load(), "has_bf16_matmul", False)  # else torch's ker
 
 
 def random_storage(out_features: int, in_features: int, bits: int, group_size: int | None,
-                   act_order: bool, biases: bool, half: bool) -> QuantizedWeight:
+                   act_order: bool, biases: bool, half: bool, gated: bool = False
+                   ) -> QuantizedWeight:
     """A QuantizedWeight of random values, scales and biases (in float16 precision if `half`)."""
     group_size = group_size or in_features
     groups = -(-in_features // group_size)
-    layer = QuantizedWeight(out_features, in_features, bits, groups, biases, None)
+    layer = QuantizedWeight(out_features, in_features, bits, groups, biases, None, gated)
     if bits == 4:
         layer.qweight.data = pack_int4(torch.randint(0, 16, (out_features, in_features)))
     else:
@@ -135,19 +137,23 @@ def assert_packed_params(layer: QuantizedWeight, half: bool) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,multiply", [(1, "tiles"), (3, "tiles"), (13, "tiles"),
                                            (200, "tiles"), (3, "sgemm"), (200, "sgemm"),
-                                           (1, "amx"), (13, "amx"), (40, "amx"), (200, "amx")])
+                                           (1, "amx"), (13, "amx"), (40, "amx"), (200, "amx"),
+                                           (2400, "amx")])
 @pytest.mark.parametrize("out_features,in_features", [(50, 34), (96, 224), (7, 2), (40, 33)])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_our_packed_kernel_takes_any_shape(layout, dtype, rows, out_features, in_features,
                                            multiply, monkeypatch):
     """Rows around the kernel's row tiles (AVX2: 2-6, AVX512: 6-12; a prompt's several tiles share
-    a block widened once; AMX: 16 and 32) and 192-row chunks, features short of its 32-column
+    a block widened once; AMX: 16 and 32, and past the 1 MB of x from which the whole weight is
+    dequantized first) and 192-row chunks, features short of its 32-column
     blocks, an odd input (the last one pairs with padding), groups shorter at the end; the packed
     copy replaces the storage. sgemm: the weight dequantized whole for float32 sgemm, as prompts
     run where that is faster; amx: each block dequantized to bfloat16 for AMX tiles (bfloat16
     inputs, K a multiple of 32; the others run the tiles)."""
     if multiply == "amx" and not cpu_kernels.load().has_amx_tiles:
         pytest.skip("this CPU (or this build) has no AMX tiles")
+    if multiply == "amx" and dtype == torch.float32 and rows > 200:
+        pytest.skip("float32 inputs run the tiles, which 200 rows cover")
     monkeypatch.setattr(quantized_matmul, "AMX_ROWS", 1 if multiply == "amx" else 0)
     monkeypatch.setenv(cpu_gemm.SGEMM_ROWS_ENV, "1" if multiply == "sgemm" else "0")
     monkeypatch.setattr(quantized_matmul, "sgemm_rows_for_this_cpu",  # read it, cache nothing
@@ -165,6 +171,71 @@ def test_our_packed_kernel_takes_any_shape(layout, dtype, rows, out_features, in
     assert got.dtype == dtype and got.shape == (rows, out_features)
     tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7 * expected.abs().max().item()
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=1e-4)
+
+
+ACTIVATIONS = {0: F.silu, 1: lambda t: F.gelu(t, approximate="tanh")}  # FUSED_CODES'
+
+
+@pytest.mark.skipif(not OURS, reason="no AVX2 + FMA: torch's kernels run")
+@pytest.mark.parametrize("rows,multiply", [(1, "tiles"), (13, "tiles"), (200, "tiles"),
+                                           (200, "sgemm"), (1, "int8"), (13, "int8"),
+                                           (40, "int8"), (40, "amx"), (200, "amx"),
+                                           (2400, "amx")])
+@pytest.mark.parametrize("intermediate,in_features", [(40, 64), (96, 224)])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gated_quantized_weights_apply_act_and_mul_as_the_separate_kernel_does(
+        layout, intermediate, in_features, rows, multiply, monkeypatch):
+    """[gate; up] packed in pairs of 16 features, every way the kernel multiplies (its float
+    tiles, sgemm on the dequantized weight, int8 inputs, AMX tiles): the same outputs as the
+    plain packing, and act(gate) * up bit for bit what the separate act_and_mul kernel makes of
+    them, close to the activation of the dequantized matmul; float32 inputs are left to the
+    unfused path."""
+    if multiply == "amx" and not cpu_kernels.load().has_amx_tiles:
+        pytest.skip("this CPU (or this build) has no AMX tiles")
+    monkeypatch.setattr(quantized_matmul, "AMX_ROWS", 1 if multiply == "amx" else 0)
+    monkeypatch.setenv(cpu_gemm.SGEMM_ROWS_ENV, "1" if multiply == "sgemm" else "0")
+    monkeypatch.setattr(quantized_matmul, "sgemm_rows_for_this_cpu",
+                        quantized_matmul.sgemm_rows_for_this_cpu.__wrapped__)
+    plain, gated = (random_storage(2 * intermediate, in_features, *LAYOUTS[layout], gated=gated)
+                    for gated in (False, True) if torch.manual_seed(rows + intermediate))
+    weight = dequantize(plain.qweight, plain.scales, plain.biases, plain.g_idx, torch.float32)
+    plain.int8_inputs = gated.int8_inputs = multiply == "int8"
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    bias = torch.randn(2 * intermediate, dtype=torch.bfloat16)
+    assert gated.act_and_mul(x.float(), bias.float(), 0) is None
+    separate = plain.matmul(x, bias)
+    assert torch.equal(gated.matmul(x, bias), separate)
+    assert isinstance(gated.fused, PairBlocks) and gated.fused.gated
+    for code, act in ACTIVATIONS.items():
+        fused = gated.act_and_mul(x, bias, code)
+        assert torch.equal(fused, cpu_kernels.load().act_and_mul(separate, code))
+        gate, up = F.linear(x.float(), weight, bias.float()).chunk(2, dim=-1)
+        torch.testing.assert_close(fused.float(), act(gate) * up, rtol=0.05,
+                                   atol=0.05 * (act(gate) * up).abs().max().item())
+
+
+@pytest.mark.skipif(not OURS, reason="no AVX2 + FMA: torch's kernels run")
+@pytest.mark.parametrize("rows", [1, 40])
+def test_a_quantized_gated_mlp_applies_its_activation_in_the_matmul(rows, monkeypatch):
+    """A gated MLP's quantized [gate; up] on bfloat16 inputs: act(gate) * up straight from the
+    matmul (the separate act_and_mul kernel never runs), close to the dequantized weights' MLP."""
+    torch.manual_seed(rows)
+    mlp = GatedMLP(64, 80, "silu", bias=False)
+    weights = {}
+    for name, layer in (("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
+        storage = random_storage(layer.out_features, layer.in_features, 4, 32, False, True, True)
+        weights[name] = dequantize(storage.qweight, storage.scales, storage.biases,
+                                   storage.g_idx, torch.float32)
+        layer.use_quantized_weight(4, storage.scales.shape[1], True)
+        layer.quantized.load_state_dict(storage.state_dict())
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(fused_ops, "for_tensor", lambda tensor: pytest.fail("act_and_mul ran"))
+    got = mlp(x)
+    assert mlp.gate_up_proj.quantized.fused.gated
+    gate, up = F.linear(x.float(), weights["gate_up"]).chunk(2, dim=-1)
+    expected = F.linear(F.silu(gate) * up, weights["down"])
+    torch.testing.assert_close(got.float(), expected, rtol=0.05,
+                               atol=0.02 * expected.abs().max().item())
 
 
 def int8_input_reference(layer: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
@@ -282,4 +353,4 @@ def test_the_kernel_refuses_group_parameters_it_cannot_read():
     for dtype in (torch.bfloat16, torch.float64):
         with pytest.raises(RuntimeError, match="groups must be float32 or float16"):
             cpu_kernels.load().quantized_matmul(torch.randn(1, IN), fused.packed, None,
-                                                fused.groups.to(dtype), 32, OUT, None, 0, 0)
+                                                fused.groups.to(dtype), 32, OUT)

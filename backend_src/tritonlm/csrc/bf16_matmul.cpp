@@ -37,9 +37,6 @@ double issue_rate(Step step) {
 
 }  // namespace
 
-at::Tensor act_and_mul(const at::Tensor& x, int64_t activation,
-                       const std::optional<at::Tensor>& out);  // fused_ops.cpp
-
 at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        bool gated, const std::optional<at::Tensor>& bias, int64_t activation,
                        bool widen, int64_t sgemm_rows, bool amx,
@@ -75,8 +72,8 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t ou
     // as they go: the weight widened once, rounded to bfloat16 as the tiles' output is.
     using Wide = WidenedFma<Native, uint16_t>;
     const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-    const auto y = sgemm_matmul(x, dense_weight<Wide>(ws, packed.size(1), {}, shape, k), bias);
-    return activation < 0 ? into_result(out, y, "bf16_matmul: ") : act_and_mul(y, activation, out);
+    return sgemm_matmul(x, dense_weight<Wide>(ws, packed.size(1), {}, shape, k), bias,
+                        activation, out, "bf16_matmul: ");
   }
   auto result = result_tensor(out, {m, out_cols}, x.options(), "bf16_matmul: ");
   if (m == 0) return result;

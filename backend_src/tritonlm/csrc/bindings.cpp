@@ -39,7 +39,8 @@ int64_t vector_lanes();
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const std::optional<at::Tensor>& row_scales,
                             const std::optional<at::Tensor>& groups, int64_t group_size,
-                            int64_t out_features, const std::optional<at::Tensor>& bias,
+                            int64_t out_features, bool gated,
+                            const std::optional<at::Tensor>& bias, int64_t activation,
                             int64_t sgemm_rows, int64_t int8_rows, int64_t amx_rows,
                             const std::optional<at::Tensor>& out);
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a_t, const at::Tensor& b,
@@ -109,10 +110,12 @@ TRITONLM_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // multiplied by float32 sgemm; below int8_rows rows 4-bit groups multiply x quantized to int8
   // per row and group (w4a8); from amx_rows rows (0: never) of bfloat16 x, where K is a multiple
   // of 32, AMX tiles on each block dequantized to bfloat16 (has_amx_tiles; ahead of the
-  // others); needs AVX2 + FMA (has_bf16_matmul).
+  // others); gated and activation as bf16_matmul's (bfloat16 x); needs AVX2 + FMA
+  // (has_bf16_matmul).
   m.def("quantized_matmul(Tensor x, Tensor packed, Tensor? row_scales, Tensor? groups, "
-        "int group_size, int out_features, Tensor? bias=None, int sgemm_rows=0, "
-        "int int8_rows=0, int amx_rows=0, Tensor(a!)? out=None) -> Tensor");
+        "int group_size, int out_features, bool gated=False, Tensor? bias=None, "
+        "int activation=-1, int sgemm_rows=0, int int8_rows=0, int amx_rows=0, "
+        "Tensor(a!)? out=None) -> Tensor");
   // y [T, out] += the LoRA update of x [T, in] (y's dtype) by a_t [slots, in, R] and b [slots,
   // R, out] (float32), in float32: slot s for the tokens rows[s, :counts[s]] (int64); B's rank
   // rows of part p (R / parts each) reach only y's columns part_cols[p]..part_cols[p + 1].

@@ -373,10 +373,11 @@ constexpr auto kRowCounts = std::make_integer_sequence<int, kTileRows<Mul>>{};
 template <typename Mul, typename O, int kAct>
 constexpr std::array<TileFn<Mul, O>, kTileRows<Mul>> kTiles =
     tile_table<Mul, O, kAct>(kRowCounts<Mul>);
-// Whether Mul's tiles may apply an activation: a gated bfloat16 weight's (bf16_matmul.cpp), on
-// bfloat16 outputs. The other weights' tiles are built without, a third of the tiles.
-template <typename Mul>
-constexpr bool kActivates = std::is_same_v<typename Mul::W, uint16_t>;
+// Whether tiles with outputs of O may apply an activation: a gated weight's, bfloat16 outputs
+// only (the epilogue rounds as the unfused bfloat16 matmul and act_and_mul do). Float32 outputs'
+// tiles are built without, a third of their tiles.
+template <typename O>
+constexpr bool kActivates = std::is_same_v<O, uint16_t>;
 
 }  // namespace packed_matmul
 }  // namespace tritonlm

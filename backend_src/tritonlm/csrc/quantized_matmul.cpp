@@ -44,11 +44,11 @@ std::vector<float> group_sums(const FloatRows& x, int64_t m, int64_t k, int64_t 
 template <typename Mul, typename O>
 void run_on(const typename Mul::X* xs, int64_t x_stride, const at::Tensor& packed, int64_t pairs,
             const Dequant& dequant, const std::optional<at::Tensor>& bias, at::Tensor& out,
-            const Shape& shape) {
+            const Shape& shape, int64_t activation) {
   const auto* ws = reinterpret_cast<const typename Mul::W*>(packed.data_ptr());
   const auto* bs = bias ? reinterpret_cast<const O*>(bias->data_ptr()) : nullptr;
   run_tasks<Mul, O>(xs, x_stride, ws, pairs, dequant, bs, reinterpret_cast<O*>(out.data_ptr()),
-                    shape, -1);
+                    shape, activation);
 }
 
 // Calls run(Type<P>{}) with the element of the group parameters (void: none).
@@ -88,7 +88,8 @@ template <typename O>
 void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4, bool int8_dots, bool amx,
              const std::optional<at::Tensor>& row_scales,
              const std::optional<at::Tensor>& groups, int64_t group_size,
-             const std::optional<at::Tensor>& bias, at::Tensor& out, const Shape& shape) {
+             const std::optional<at::Tensor>& bias, at::Tensor& out, const Shape& shape,
+             int64_t activation) {
   using T = std::conditional_t<std::is_same_v<O, float>, float, c10::BFloat16>;
   const int64_t pairs = x.size(1) / 2;
 #ifdef TRITONLM_AMX
@@ -98,7 +99,7 @@ void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4, bool int8
       with_layout(int4, groups, [&](auto type) {
         run_on<AmxOnDequantized<typename decltype(type)::type>, O>(
             rows, x.stride(0), packed, pairs, dequant_of(row_scales, groups, group_size, nullptr),
-            bias, out, shape);
+            bias, out, shape, activation);
       });
       return;
     }
@@ -113,9 +114,11 @@ void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4, bool int8
       using P = typename decltype(params)::type;
       if constexpr (!std::is_void_v<P>) {  // int8 dots always have groups
         if (int4)
-          run_on<Int4Integer<P>, O>(values, x.size(1), packed, pairs, dequant, bias, out, shape);
+          run_on<Int4Integer<P>, O>(values, x.size(1), packed, pairs, dequant, bias, out, shape,
+                                    activation);
         else
-          run_on<Int8Integer<P>, O>(values, x.size(1), packed, pairs, dequant, bias, out, shape);
+          run_on<Int8Integer<P>, O>(values, x.size(1), packed, pairs, dequant, bias, out, shape,
+                                    activation);
       }
     });
     return;
@@ -127,7 +130,7 @@ void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4, bool int8
   const Dequant dequant = dequant_of(row_scales, groups, group_size, x_sums.data());
   with_layout(int4, groups, [&](auto type) {
     run_on<typename decltype(type)::type, O>(rows.data, rows.stride, packed, pairs, dequant,
-                                             bias, out, shape);
+                                             bias, out, shape, activation);
   });
 }
 }  // namespace
@@ -135,7 +138,8 @@ void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4, bool int8
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const std::optional<at::Tensor>& row_scales,
                             const std::optional<at::Tensor>& groups, int64_t group_size,
-                            int64_t out_features, const std::optional<at::Tensor>& bias,
+                            int64_t out_features, bool gated,
+                            const std::optional<at::Tensor>& bias, int64_t activation,
                             int64_t sgemm_rows, int64_t int8_rows, int64_t amx_rows,
                             const std::optional<at::Tensor>& out) {
   using namespace packed_matmul;
@@ -144,7 +148,10 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                   x.stride(1) == 1,
               "quantized_matmul: x must be [M, K] float32 or bfloat16 with contiguous features");
   const int64_t m = x.size(0), k = x.size(1), pairs = (k + 1) / 2;
-  const int64_t blocks = (out_features + kBlock - 1) / kBlock;
+  TORCH_CHECK(!gated || out_features % 2 == 0, "quantized_matmul: a gated weight has an even "
+              "number of features, got ", out_features);
+  const int64_t half = gated ? out_features / 2 : kBlock / 2;  // high features' offset
+  const int64_t blocks = gated ? (half + 15) / 16 : (out_features + kBlock - 1) / kBlock;
   const bool int4 = packed.scalar_type() == at::kByte;
   TORCH_CHECK((int4 || packed.scalar_type() == at::kChar) && packed.is_contiguous() &&
                   packed.dim() == (int4 ? 3 : 4) && packed.size(0) == blocks &&
@@ -152,7 +159,8 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                   packed.size(2) == kBlock &&
                   (int4 || packed.size(3) == 2),
               "quantized_matmul: packed weight ", packed.sizes(), " (", packed.scalar_type(),
-              ") does not hold ", out_features, " x ", k, " int8 or 4-bit values");
+              ") does not hold ", out_features, " x ", k, " int8 or 4-bit values",
+              gated ? " (gated)" : "");
   TORCH_CHECK(row_scales.has_value() != groups.has_value() && !(int4 && row_scales),
               "quantized_matmul: give row_scales (int8) or groups, not both");
   TORCH_CHECK(!row_scales || (row_scales->scalar_type() == at::kFloat &&
@@ -171,7 +179,12 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(!bias || (bias->scalar_type() == dtype && bias->is_contiguous() &&
                         bias->numel() == out_features),
               "quantized_matmul: bias must be ", out_features, " contiguous values of x's dtype");
-  const Shape shape{m, out_features, out_features, kBlock / 2, blocks, false};
+  TORCH_CHECK(activation == -1 || (gated && (activation == 0 || activation == 1) &&
+                                    dtype == at::kBFloat16),
+              "quantized_matmul: activation must be -1 (none), or 0 (silu) or 1 (gelu, tanh "
+              "approximation) on a gated weight and bfloat16 x, got ", activation);
+  const int64_t out_cols = activation < 0 ? out_features : half;
+  const Shape shape{m, out_features, out_cols, half, blocks, gated};
 #ifdef TRITONLM_AMX
   const bool amx = amx_rows > 0 && m >= amx_rows && dtype == at::kBFloat16 && amx_takes(k);
 #else
@@ -187,17 +200,17 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                                 pairs, dequant_of(row_scales, groups, group_size, nullptr),
                                 shape, k);
     });
-    return into_result(out, sgemm_matmul(x, dense, bias), "quantized_matmul: ");
+    return sgemm_matmul(x, dense, bias, activation, out, "quantized_matmul: ");
   }
-  auto result = result_tensor(out, {m, out_features}, x.options(), "quantized_matmul: ");
+  auto result = result_tensor(out, {m, out_cols}, x.options(), "quantized_matmul: ");
   if (m == 0) return result;
   const at::Tensor even = k % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
   if (dtype == at::kFloat)
     run_for<float>(even, packed, int4, int8_dots, amx, row_scales, groups, group_size, bias,
-                   result, shape);
+                   result, shape, activation);
   else
     run_for<uint16_t>(even, packed, int4, int8_dots, amx, row_scales, groups, group_size, bias,
-                      result, shape);
+                      result, shape, activation);
   return result;
 }
 bool has_vnni_dot_products() { return packed_matmul::kVnniDots; }
@@ -207,8 +220,8 @@ bool has_int4_quads() {
 #else
 at::Tensor quantized_matmul(const at::Tensor&, const at::Tensor&,
                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                            int64_t, int64_t, const std::optional<at::Tensor>&, int64_t,
-                            int64_t, int64_t, const std::optional<at::Tensor>&) {
+                            int64_t, int64_t, bool, const std::optional<at::Tensor>&, int64_t,
+                            int64_t, int64_t, int64_t, const std::optional<at::Tensor>&) {
   TORCH_CHECK(false, "quantized_matmul: built for a CPU without AVX2 + FMA");
 }
 bool has_vnni_dot_products() { return false; }

@@ -157,10 +157,10 @@ def pack_pair_blocks(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
     return padded.view(-1, PairBlockWeight.block, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
 
 
-def pack_block_features(per_feature: torch.Tensor) -> torch.Tensor:
+def pack_block_features(per_feature: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """Values per output feature [N, ...] in the order pack_pair_blocks packs the features:
     [blocks, 32, ...], zeros past N."""
-    rows = _block_rows(per_feature.shape[0], gated=False)
+    rows = _block_rows(per_feature.shape[0], gated)
     padded = torch.cat([per_feature, per_feature.new_zeros(1, *per_feature.shape[1:])])[rows]
     return padded.view(-1, PairBlockWeight.block, *per_feature.shape[1:])
 

@@ -68,7 +68,8 @@ class _ShardedLinear(nn.Linear):
         del self.weight
         self.add_module(QUANTIZED, QuantizedWeight(
             self.out_features, self.in_features, bits, num_groups, has_biases,
-            (self.shard_dim, self.shard_index) if parallel_state.current().world_size > 1 else None))
+            (self.shard_dim, self.shard_index) if parallel_state.current().world_size > 1 else None,
+            self.gated))
 
     def prepack_for_cpu(self, batch_hint: int) -> None:
         """Hold the weight only in a CPU matmul kernel's layout, when that is faster here."""
@@ -129,7 +130,12 @@ class ColumnParallelLinear(_ShardedLinear):
     def act_and_mul(self, x: torch.Tensor, activation: int) -> torch.Tensor | None:
         """act(gate) * up of a gated layer in the matmul itself (`activation` a fused code,
         layers.activation.FUSED_CODES), or None where the weight's kernel cannot."""
-        if self.packed is None or not self.packed.gated or self.lora_active:
+        if self.lora_active:
+            return None
+        quantized = getattr(self, QUANTIZED, None)
+        if quantized is not None:
+            return quantized.act_and_mul(x, self.bias, activation)
+        if self.packed is None or not self.packed.gated:
             return None
         return self.packed.matmul(x, self.bias, activation)
 

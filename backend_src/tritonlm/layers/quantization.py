@@ -104,17 +104,18 @@ class QuantizedWeight(nn.Module):
     (dim, indices) of the full weight, so the storage is cut consistently. The model runner
     sets `int8_inputs` before the first matmul (EngineConfig.quantized_activations); a weight
     whose rows are looked up (`keeps_rows`: a quantized embedding) stays beside a fused matmul's
-    own layout."""
+    own layout. A `gated` weight ([gate; up] of a gated MLP) lets a fused kernel apply
+    act(gate) * up (`act_and_mul`)."""
     int8_inputs = False
     keeps_rows = False
     rows_dtype = torch.float32  # what `rows` decodes to: the loader sets the model's dtype
 
     def __init__(self, out_features: int, in_features: int, bits: int, num_groups: int,
-                 has_biases: bool, shard: tuple[int, np.ndarray] | None):
+                 has_biases: bool, shard: tuple[int, np.ndarray] | None, gated: bool = False):
         super().__init__()
         if bits not in (4, 8):
             raise ValueError(f"quantized weights have 4 or 8 bits, not {bits}")
-        self.shard = shard
+        self.shard, self.gated = shard, gated
         packed_in = in_features // 2 if bits == 4 else in_features
         dtype = torch.uint8 if bits == 4 else torch.int8
         self.qweight = nn.Parameter(torch.empty(out_features, packed_in, dtype=dtype),
@@ -136,14 +137,24 @@ class QuantizedWeight(nn.Module):
             self._choose_fused(x.dtype)
         if self.fused is None:
             return F.linear(x, self(x.dtype), bias)
-        out = self.fused(x)
-        return out + bias if bias is not None else out
+        return self.fused(x, bias)
+
+    def act_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None, activation: int
+                    ) -> torch.Tensor | None:
+        """act(gate) * up of (x @ weight.T + bias) in the fused kernel (`activation` a fused
+        code, layers.activation.FUSED_CODES), or None where it cannot (bfloat16 x on our CPU
+        kernel only)."""
+        if self.fused is _UNKNOWN:
+            self._choose_fused(x.dtype)
+        if not getattr(self.fused, "gated", False) or x.dtype != torch.bfloat16:
+            return None
+        return self.fused(x, bias, activation)
 
     def _choose_fused(self, dtype: torch.dtype) -> None:
         args = (self.qweight, self.scales, self.biases, self.g_idx)
         self.fused = (quantized_matmul.cuda_matmul(*args)
                       or quantized_matmul.cpu_matmul(self.qweight, self.values, *args[1:], dtype,
-                                                     self.int8_inputs))
+                                                     self.int8_inputs, self.gated))
         if getattr(self.fused, "owns_weight", False) and not self.keeps_rows:
             empty = torch.empty(0)
             self.qweight, self.scales = nn.Parameter(empty.to(torch.uint8), False), None

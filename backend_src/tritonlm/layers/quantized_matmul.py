@@ -48,16 +48,18 @@ AMX_ROWS = 32
 # The groups int8 weights with a scale per row take for int8 inputs: x's scales follow its
 # values over 128 features, not the whole row.
 ROW_GROUP_SIZE = 128
-Matmul = Callable[[torch.Tensor], torch.Tensor]  # x [..., in] -> x @ W^T [..., out]
+# x [..., in], bias [out] or None -> x @ W^T + bias [..., out]
+Matmul = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def cpu_matmul(qweight: torch.Tensor, values: Callable[[], torch.Tensor], scales: torch.Tensor,
                biases: torch.Tensor | None, g_idx: torch.Tensor, dtype: torch.dtype,
-               int8_inputs: bool = False) -> Matmul | None:
+               int8_inputs: bool = False, gated: bool = False) -> Matmul | None:
     """A fused CPU matmul for inputs of `dtype`, or None when torch has none for this layout;
     `values()` gives the integer weight [out, in] unpacked. An `Int4Groups` holds its own copy
     of the weight: the storage it was made from can go. `int8_inputs`: our kernel
-    quantizes decode-sized inputs to int8."""
+    quantizes decode-sized inputs to int8; `gated`: the weight is [gate; up], which our kernel
+    packs so that it can apply act(gate) * up itself (PairBlocks)."""
     if qweight.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
     scales, biases, g_idx = _present_groups(scales, biases, g_idx)
@@ -67,7 +69,7 @@ def cpu_matmul(qweight: torch.Tensor, values: Callable[[], torch.Tensor], scales
             and group_size is not None and (scales.shape[1] == 1 or group_size % 2 == 0)):
         return PairBlocks(values(), scales, biases, g_idx, group_size, kernels,
                           int8_rows=int8_rows(kernels, 4 if qweight.dtype == torch.uint8 else 8)
-                          if int8_inputs else 0)
+                          if int8_inputs else 0, gated=gated)
     if qweight.dtype == torch.int8:
         if scales.shape[1] != 1 or biases is not None:
             return None
@@ -81,7 +83,12 @@ def cuda_matmul(qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tenso
                 g_idx: torch.Tensor) -> Matmul | None:
     if qweight.device.type != "cuda" or not triton_support.available(qweight.device):
         return None
-    return lambda x: triton_quant_matmul.quantized_matmul(x, qweight, scales, biases, g_idx)
+    return lambda x, bias=None: _plus(
+        triton_quant_matmul.quantized_matmul(x, qweight, scales, biases, g_idx), bias)
+
+
+def _plus(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return out if bias is None else out + bias
 
 
 @functools.cache
@@ -97,7 +104,7 @@ def sgemm_rows_for_this_cpu(kernels) -> int:
         packed, scales = cpu_gemm.pack_pair_blocks(values), torch.full((1536,), 0.01)
         x = torch.randn(cpu_gemm.PROMPT_ROWS, 576, generator=seeded, dtype=torch.bfloat16)
         return lambda sgemm_rows: kernels.quantized_matmul(
-            x, packed, scales, None, 576, 1536, None, sgemm_rows, 0)
+            x, packed, scales, None, 576, 1536, sgemm_rows=sgemm_rows)
 
     return cpu_gemm.measured_sgemm_rows(int8_matmul)
 
@@ -130,10 +137,10 @@ class _Int8Rows(nn.Module):
         super().__init__()
         self.qweight, self.scales = qweight.data, scales  # .data: not a second parameter
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
-        return out.view(*x.shape[:-1], -1)
+        return _plus(out.view(*x.shape[:-1], -1), bias)
 
 
 class PairBlocks(nn.Module):
@@ -143,14 +150,17 @@ class PairBlocks(nn.Module):
     `_quad_rows`). Dequantized by one scale per output row (int8, no biases: applied to the
     sums), else by a scale and a bias per output row and group, packed alike [blocks, G, 2, 32].
     Inputs of fewer than `int8_rows` rows are quantized to int8 (int8 rows then take groups of
-    ROW_GROUP_SIZE, each with the row's scale, that their input is scaled by)."""
+    ROW_GROUP_SIZE, each with the row's scale, that their input is scaled by). A `gated` weight
+    ([gate; up]) is packed as cpu_gemm packs gated bf16 weights: the kernel can then apply
+    act(gate) * up to bfloat16 inputs' sums (`forward`'s activation)."""
     owns_weight = True  # a packed copy: the storage it was made from can go
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
                  g_idx: torch.Tensor, group_size: int, kernels, sgemm_rows: int | None = None,
-                 int8_rows: int = 0, amx_rows: int | None = None):
+                 int8_rows: int = 0, amx_rows: int | None = None, gated: bool = False):
         super().__init__()
         self.out_features, self.kernels, self.int8_rows = values.shape[0], kernels, int8_rows
+        self.gated = gated
         # prompts in AMX tiles, each block dequantized to bfloat16 (bfloat16 inputs)
         self.amx_rows = (AMX_ROWS if cpu_gemm.amx_for_this_cpu(kernels) else 0
                          ) if amx_rows is None else amx_rows
@@ -162,9 +172,9 @@ class PairBlocks(nn.Module):
         four_bits = values.dtype == torch.uint8
         per_row = not four_bits and scales.shape[1] == 1 and biases is None
         if four_bits and kernels.has_int4_quads:
-            packed = _quad_rows(values)
+            packed = _quad_rows(values, gated)
         else:
-            packed = cpu_gemm.pack_pair_blocks(values)
+            packed = cpu_gemm.pack_pair_blocks(values, gated)
             if four_bits:
                 packed = packed[..., 0] | (packed[..., 1] << 4)
         self.register_buffer("packed", huge_pages.place(packed))
@@ -175,11 +185,14 @@ class PairBlocks(nn.Module):
             if int8_rows:  # int8 inputs are scaled per group: the row's scale in each
                 num_groups = -(-values.shape[1] // ROW_GROUP_SIZE)
                 self.row_groups = huge_pages.place(
-                    _packed_groups(scales.expand(-1, num_groups), None))
+                    _packed_groups(scales.expand(-1, num_groups), None, gated))
         else:
-            self.groups = huge_pages.place(_packed_groups(scales, biases))
+            self.groups = huge_pages.place(_packed_groups(scales, biases, gated))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+                activation: int | None = None) -> torch.Tensor:
+        """x @ weight.T + bias; with an `activation` code (a gated weight, bfloat16 x):
+        act(gate) * up."""
         flat = x.reshape(-1, x.shape[-1])
         if self.order is not None:
             flat = flat.index_select(1, self.order)
@@ -188,23 +201,27 @@ class PairBlocks(nn.Module):
         row_scales, groups, group_size = self.row_scales, self.groups, self.group_size
         if self.row_groups is not None and flat.shape[0] < self.int8_rows:
             row_scales, groups, group_size = None, self.row_groups, ROW_GROUP_SIZE
-        out = self.kernels.quantized_matmul(flat, self.packed, row_scales, groups, group_size,
-                                            self.out_features, None, self.sgemm_rows,
-                                            self.int8_rows, self.amx_rows)
+        if bias is not None:
+            bias = bias.to(x.dtype).contiguous()
+        out = self.kernels.quantized_matmul(
+            flat, self.packed, row_scales, groups, group_size, self.out_features, self.gated,
+            bias, -1 if activation is None else activation, self.sgemm_rows, self.int8_rows,
+            self.amx_rows)
         return out.view(*x.shape[:-1], -1)
 
 
-def _quad_rows(values: torch.Tensor) -> torch.Tensor:
+def _quad_rows(values: torch.Tensor, gated: bool) -> torch.Tensor:
     """4-bit values [out, in] in the kernel's quad rows (Int4Quads, csrc/packed_matmul_registers.h):
     [blocks, 2 * ceil(in / 4), 32] bytes; byte 4l + i of a block's quad row q holds its feature
     l's value 4q + i in the low nibble, feature 16 + l's in the high one."""
-    pairs = cpu_gemm.pack_pair_blocks(F.pad(values, (0, -values.shape[1] % 4)))
+    pairs = cpu_gemm.pack_pair_blocks(F.pad(values, (0, -values.shape[1] % 4)), gated)
     blocks, rows = pairs.shape[:2]  # [blocks, rows, 32, 2]: pair row 2q + s holds 4q + 2s, + 1
     quads = pairs.view(blocks, rows // 2, 2, 32, 2).transpose(2, 3).reshape(blocks, -1, 32, 4)
     return (quads[:, :, :16] | (quads[:, :, 16:] << 4)).reshape(blocks, rows, 32)
 
 
-def _packed_groups(scales: torch.Tensor, biases: torch.Tensor | None) -> torch.Tensor:
+def _packed_groups(scales: torch.Tensor, biases: torch.Tensor | None, gated: bool
+                   ) -> torch.Tensor:
     """[out, G] scales and biases (None: zeros) as the kernel reads them: [blocks, G, 2, 32],
     float16 where every one is exact in it (GGUF's, our converter's: at 4 bits in groups of
     32, a fifth of the bytes the kernel reads instead of a third), else float32 (GPTQ's biases
@@ -213,7 +230,7 @@ def _packed_groups(scales: torch.Tensor, biases: torch.Tensor | None) -> torch.T
                          dim=-1).float()  # [out, G, 2]
     if torch.equal(params.half().float(), params):
         params = params.half()
-    blocked = cpu_gemm.pack_block_features(params)  # [blocks, 32, G, 2]
+    blocked = cpu_gemm.pack_block_features(params, gated)  # [blocks, 32, G, 2]
     return blocked.permute(0, 2, 3, 1).contiguous()
 
 
@@ -243,7 +260,7 @@ class Int4Groups(nn.Module):
                              torch.stack((scales.T, zeros.T), dim=-1).to(dtype).contiguous())
         self.group_size = group_size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if self.order is not None:
             flat = flat.index_select(1, self.order)
@@ -251,4 +268,4 @@ class Int4Groups(nn.Module):
             flat = F.pad(flat, (0, self.padding))
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed,
                                                          self.group_size, self.scales_and_zeros)
-        return out.view(*x.shape[:-1], -1)
+        return _plus(out.view(*x.shape[:-1], -1), bias)
