@@ -144,8 +144,8 @@ def assert_packed_params(layer: QuantizedWeight, half: bool) -> None:
 def test_our_packed_kernel_takes_any_shape(layout, dtype, rows, out_features, in_features,
                                            multiply, monkeypatch):
     """Rows around the kernel's row tiles (AVX2: 2-6, AVX512: 6-12; a prompt's several tiles share
-    a block widened once; AMX: 16 and 32, and past the 1 MB of x from which the whole weight is
-    dequantized first) and 192-row chunks, features short of its 32-column
+    a block widened once; AMX: 16 and 32, and past the 192-row chunk from which the whole weight
+    is dequantized first) and 192-row chunks, features short of its 32-column
     blocks, an odd input (the last one pairs with padding), groups shorter at the end; the packed
     copy replaces the storage. sgemm: the weight dequantized whole for float32 sgemm, as prompts
     run where that is faster; amx: each block dequantized to bfloat16 for AMX tiles (bfloat16

@@ -163,29 +163,18 @@ inline int64_t even_grab(int64_t tasks, int threads) {
   return kTasksPerGrab;
 }
 
-// Rows of x a task takes: kChunkRows, or where each task first dequantizes its block for AMX
-// tiles (Mul::Dequantized), as many as 1 MB of bfloat16 x holds (half of Sapphire Rapids' L2):
-// up to that, a prompt's blocks are dequantized in its tasks, beyond it once for the whole
-// weight (dequantized_then_run).
-template <typename Mul>
-int64_t chunk_rows_of(int64_t pairs) {
-  if constexpr (requires { typename Mul::Dequantized; })
-    return std::max<int64_t>(kChunkRows, (int64_t{1} << 20) / (pairs * 4));
-  else
-    return kChunkRows;
-}
-
 template <typename Mul, typename O>
 void run_tasks(const typename Mul::X* xs, int64_t x_stride, const typename Mul::W* ws,
                int64_t pairs, const Dequant& d, const O* bs, O* os, const Shape& s,
                int64_t activation);
 
-// A prompt of several chunks on a weight Mul multiplies dequantized (Mul::Dequantized): the whole
-// weight dequantized first, into the calling thread's buffer (kept for the next matmul), then
-// multiplied as such. 2 Emerald Rapids cores, int4 SmolLM2's 2048-row matmuls against bf16's, in
-// one process: dequantized in every chunk's task 1.03-1.21x the time (the down projection's 6
-// chunks up to 1.38x), dequantized once 1.09-1.13x; the pass itself is 2% of the gate/up
-// projection's time (6 of 320-350 ms for 30 layers).
+// Rows of several chunks on a weight Mul multiplies dequantized (Mul::Dequantized, AMX tiles):
+// the whole weight dequantized first, into the calling thread's buffer (kept for the next
+// matmul), then multiplied as such; one chunk's rows dequantize each block in its task. 2 Emerald
+// Rapids cores, int4 SmolLM2's matmuls against bf16's, in one process, each block dequantized in
+// its task (in chunks of up to 1 MB of x) / the weight dequantized first: 32 rows 1.11x / 1.54x
+// the time, 64 1.16x / 1.52x, 200 1.21x / 1.21x, 512 1.18x / 1.08x, 2048 1.03-1.21x / 1.09-1.13x
+// (the pass itself 2% of the gate/up projection's time there).
 template <typename Mul, typename O>
 void dequantized_then_run(const typename Mul::X* xs, int64_t x_stride, const typename Mul::W* ws,
                           int64_t pairs, const Dequant& d, const O* bs, O* os, const Shape& s,
@@ -226,7 +215,7 @@ void run_tasks(const typename Mul::X* xs, int64_t x_stride, const typename Mul::
               "outputs, whose tiles apply none");
   const int64_t m = s.m, half = s.half, block_elems = stored_pairs<W>(pairs) * kPairElems<W>;
   const int64_t groups_per_block = d.groups ? (pairs + d.group_pairs - 1) / d.group_pairs : 0;
-  const int64_t chunk_rows = chunk_rows_of<Mul>(pairs), chunks = (m + chunk_rows - 1) / chunk_rows;
+  const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
   if constexpr (requires { typename Mul::Dequantized; }) {
     if (chunks > 1) {  // each block dequantized once, not once a chunk
       dequantized_then_run<Mul, O>(xs, x_stride, ws, pairs, d, bs, os, s, activation);
@@ -237,7 +226,7 @@ void run_tasks(const typename Mul::X* xs, int64_t x_stride, const typename Mul::
   // weight blocks stream by.
   auto run_task = [&](int64_t task) {
     const int64_t chunk = task / s.blocks, block = task % s.blocks;
-    const int64_t row0 = chunk * chunk_rows, rows = std::min(chunk_rows, m - row0);
+    const int64_t row0 = chunk * kChunkRows, rows = std::min(kChunkRows, m - row0);
     const int64_t low = block * (s.gated ? 16 : kBlock);  // the block's first low feature
     const int64_t cols_low = std::min<int64_t>(16, (s.gated ? half : s.out_features) - low);
     const int64_t cols_high = std::min<int64_t>(16, s.out_features - low - half);
