@@ -79,12 +79,10 @@ struct Avx512 {
   // Register v's lanes (features 16v..) of a 4-bit pair row: nibbles of the quad row's lanes.
   static void widen_pairs(Int4Row row, int v, F& even, F& odd) {
     const __m512i lanes = _mm512_loadu_si512(row.quad);
-    const int shift = 16 * row.second + 4 * v;
+    const unsigned shift = 16 * row.second + 4 * v;  // an immediate where the row's half is known
     const __m512i nibble = _mm512_set1_epi32(0xF);
-    even = _mm512_cvtepi32_ps(
-        _mm512_and_si512(_mm512_srl_epi32(lanes, _mm_cvtsi32_si128(shift)), nibble));
-    odd = _mm512_cvtepi32_ps(
-        _mm512_and_si512(_mm512_srl_epi32(lanes, _mm_cvtsi32_si128(shift + 8)), nibble));
+    even = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(lanes, shift), nibble));
+    odd = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(lanes, shift + 8), nibble));
   }
   static void widen_pairs(const float* w, F& even, F& odd) {  // widened already (prewiden)
     even = _mm512_loadu_ps(w);
