@@ -35,17 +35,21 @@ def test_kernels_built_without_a_feature_pass_the_kernel_tests(switch, flag, att
     assert run.returncode == 0, run.stdout[-4000:]
 
 
-def test_decode_attention_passes_its_tests_multiplying_the_other_way():
+def test_bf16_attention_passes_its_tests_multiplying_the_other_way():
     """With AVX512-BF16, decode attention reads a bf16 cache with dot products or widened for
-    FMAs, whichever this CPU issues more FLOPs with (Zen 4: dot products; Intel Xeons: FMAs);
-    forced the other way (TRITONLM_BF16_MATMUL), it passes its tests too."""
+    FMAs, whichever this CPU issues more FLOPs with (Zen 4: dot products; Intel Xeons: FMAs), and
+    prefill attention multiplies in AMX tiles where the CPU has them; forced the other way
+    (TRITONLM_BF16_MATMUL: dot products, no AMX), they pass their tests too."""
     kernels = cpu_kernels.load()
     if kernels is None or not kernels.has_bf16_dot_products:
         pytest.skip("no AVX512-BF16 here: bf16 caches are widened, the only way")
-    other = "dot" if kernels.bf16_dot_product_speedup() < 1 else "fma"
+    other = "dot" if kernels.bf16_dot_product_speedup() < 1 or kernels.has_amx_tiles else "fma"
     here = Path(__file__).parent
+    files = [here / "test_decode_attention_kernels.py"]
+    if kernels.has_amx_tiles:
+        files.append(here / "test_cpu_kernels_prefill.py")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          str(here / "test_decode_attention_kernels.py"), "-k",
+                          *map(str, files), "-k",
                           "(bfloat16 or half or two_threads) and not triton"],
                          env={**os.environ, "TRITONLM_BF16_MATMUL": other}, cwd=here.parent,
                          capture_output=True, text=True)

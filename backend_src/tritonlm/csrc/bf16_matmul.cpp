@@ -154,7 +154,7 @@ int64_t vector_lanes() {
 }
 bool has_amx_tiles() {
 #ifdef TRITONLM_AMX
-  return packed_matmul::amx_permitted();
+  return amx_permitted();
 #else
   return false;
 #endif

@@ -26,7 +26,22 @@
 #include <optional>
 #include <type_traits>
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace tritonlm {
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Whether this process may use AMX: Linux gives a process the tiles' state only once it asks
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); without it the first tile instruction faults.
+inline bool amx_permitted() {
+  constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool permitted = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  return permitted;
+}
+#endif
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int W = Vec::size();

@@ -13,19 +13,8 @@
     defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define TRITONLM_AMX
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 namespace tritonlm {
 namespace packed_matmul {
-
-// Whether this process may use AMX: Linux gives a process the tiles' state only once it asks
-// (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); without it the first tile instruction faults.
-inline bool amx_permitted() {
-  constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  static const bool permitted = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  return permitted;
-}
 
 struct AmxTiles {
   using X = uint16_t;

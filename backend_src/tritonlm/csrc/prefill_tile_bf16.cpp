@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 namespace tritonlm {
@@ -64,7 +65,7 @@ void stage_keys(const uint16_t* k, int64_t n, int64_t D, uint32_t* keys) {
   }
 }
 
-// values[p * 2D + 2d + e] = feature d of value row 2p + e; rows past n are zeros.
+// values[p * 2D + 2d + e] = feature d of value row 2p + e; rows past n (of 16) are zeros.
 void stage_values(const uint16_t* v, int64_t n, int64_t D, uint16_t* values) {
   alignas(64) uint16_t low[32], high[32];
   for (int i = 0; i < 16; ++i) {
@@ -81,6 +82,8 @@ void stage_values(const uint16_t* v, int64_t n, int64_t D, uint16_t* values) {
                           _mm512_permutex2var_epi16(a, high_index, b));
     }
   }
+  // AMX's P.V reads all 8 pairs (times zero probabilities): none left from an earlier chunk
+  std::fill(values + (n + 1) / 2 * 2 * D, values + 16 * D, 0);
 }
 
 // Raw scores of kRows query rows (D bf16 each) against the staged chunk.
@@ -122,6 +125,59 @@ inline void accumulate_rows(float* acc, int64_t D, const float* alpha, const uin
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX tiles (Sapphire Rapids on) take 16 query rows at a time, on the same staged chunks: keys
+// [D / 2, 16] pairs are B tiles of scores = Q K^T as they lie, values [8, D, 2] row pairs B tiles
+// of P V. Tiles: 0, 1: C (scores, a feature block's P V); 4: A (32 features of the queries);
+// 5: A (the probabilities); 6: B (16 key pairs); 7: B (8 value row pairs, 16 features).
+// TRITONLM_BF16_MATMUL=dot or fma keeps the dot products (as it keeps the matmul off AMX).
+bool prefill_amx() {
+  static const bool amx = [] {
+    const char* forced = std::getenv("TRITONLM_BF16_MATMUL");
+    const bool other = forced && (std::strcmp(forced, "dot") == 0 || std::strcmp(forced, "fma") == 0);
+    return !other && amx_permitted();
+  }();
+  return amx;
+}
+
+void configure_amx() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int tile : {0, 1, 4, 5, 6}) config.rows[tile] = 16;
+  config.rows[7] = 8;
+  for (int tile : {0, 1, 4, 6, 7}) config.colsb[tile] = 64;
+  config.colsb[5] = 32;
+  // GCC 12 drops the colsb stores as dead before ldtilecfg (packed_matmul_amx.h)
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+// scores[16, 16] = 16 query rows (D bf16 each, D % 32 == 0) . the staged chunk's keys.
+inline void amx_scores(const uint16_t* q, int64_t D, const uint32_t* keys, float* scores) {
+  _tile_zero(0);
+  for (int64_t pair = 0; pair < D / 2; pair += 16) {
+    _tile_loadd(4, q + 2 * pair, D * sizeof(uint16_t));
+    _tile_loadd(6, keys + pair * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+  }
+  _tile_stored(0, scores, 64);
+}
+
+// pv[16, D] = the probabilities [16, 16] (bf16) . the staged chunk's values.
+inline void amx_values(const uint16_t* probs, const uint16_t* values, int64_t D, float* pv) {
+  _tile_loadd(5, probs, 32);
+  for (int64_t d = 0; d < D; d += 16) {
+    _tile_zero(1);
+    _tile_loadd(7, values + 2 * d, 2 * D * sizeof(uint16_t));
+    _tile_dpbf16ps(1, 5, 7);
+    _tile_stored(1, pv + d, D * sizeof(float));
+  }
+}
+#endif
+
 }  // namespace
 
 void attend_tile_bf16(const c10::BFloat16* q_, int64_t q_token_stride,
@@ -133,7 +189,13 @@ void attend_tile_bf16(const c10::BFloat16* q_, int64_t q_token_stride,
   const auto* key_cache = reinterpret_cast<const uint16_t*>(key_cache_);
   const auto* value_cache = reinterpret_cast<const uint16_t*>(value_cache_);
   const int64_t rows = n_queries * G;  // query row i * G + g
-  const int64_t padded_rows = (rows + kRows - 1) / kRows * kRows;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  const bool amx = prefill_amx();
+#else
+  constexpr bool amx = false;
+#endif
+  const int64_t group = amx ? 16 : kRows;  // rows scored and accumulated together
+  const int64_t padded_rows = (rows + group - 1) / group * group;
   const int64_t pos0 = r.context - r.query_len + r.first_query;  // the tile's first position
   for (int64_t row = 0; row < padded_rows; ++row) {
     s.pos[row] = pos0 + std::min(row, rows - 1) / G;  // padding rows repeat the last position
@@ -148,6 +210,9 @@ void attend_tile_bf16(const c10::BFloat16* q_, int64_t q_token_stride,
   std::fill(s.sum.begin(), s.sum.begin() + padded_rows * 16, 0.f);
   const int64_t last_pos = pos0 + n_queries - 1;
   const int64_t first_key = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx) configure_amx();  // released at the end: the matmuls configure their own
+#endif
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   int64_t n = 0;
@@ -157,43 +222,64 @@ void attend_tile_bf16(const c10::BFloat16* q_, int64_t q_token_stride,
     stage_keys(key_cache + (r.blocks[j] * bs + offset) * D, n, D, s.keys.data());
     stage_values(value_cache + (r.blocks[j] * bs + offset) * D, n, D, s.values.data());
     const __m512i key_pos = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(base)));
-    for (int64_t g0 = 0; g0 < padded_rows; g0 += kRows) {
-      if (base > s.pos[g0 + kRows - 1]) continue;  // the chunk is after every row of the group
-      __m512 scores[kRows];
-      float alpha[kRows];
-      score_rows(s.q.data() + g0 * D, D, s.keys.data(), scores);
-      for (int k = 0; k < kRows; ++k) {
-        const int64_t row = g0 + k, pos = s.pos[row];
-        const int64_t low = window > 0 ? pos - window + 1 : 0;  // first visible key position
-        const __mmask16 visible =
-            first_lanes(n) &
-            _mm512_cmple_epi32_mask(key_pos, _mm512_set1_epi32(static_cast<int>(pos))) &
-            _mm512_cmpge_epi32_mask(key_pos, _mm512_set1_epi32(static_cast<int>(low)));
-        uint16_t* p = s.probs.data() + k * 16;
-        alpha[k] = 1.f;
-        if (visible == 0) {  // nothing visible: the row is left as it is
-          std::fill(p, p + 16, 0);
-          continue;
-        }
-        __m512 sc = _mm512_mul_ps(scores[k], _mm512_set1_ps(scale));
-        if (slopes != nullptr) {
-          const __m512i distance =
-              _mm512_sub_epi32(key_pos, _mm512_set1_epi32(static_cast<int>(pos)));
-          sc = _mm512_fmadd_ps(_mm512_set1_ps(slopes[row % G]), _mm512_cvtepi32_ps(distance), sc);
-        }
-        sc = _mm512_mask_blend_ps(visible, neg_inf, sc);
-        float* sums = s.sum.data() + row * 16;
-        if (_mm512_cmp_ps_mask(sc, _mm512_set1_ps(s.max[row] + kLazyMax), _CMP_GT_OQ)) {
-          const float new_max = _mm512_reduce_max_ps(sc);
-          alpha[k] = std::exp(s.max[row] - new_max);  // 0 on the row's first chunk
-          s.max[row] = new_max;
-          _mm512_storeu_ps(sums, _mm512_mul_ps(_mm512_loadu_ps(sums), _mm512_set1_ps(alpha[k])));
-        }
-        const __m512 e = _mm512_maskz_mov_ps(
-            visible, Vec(_mm512_sub_ps(sc, _mm512_set1_ps(s.max[row]))).exp_u20());
-        _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_loadu_ps(sums), e));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(e));
+    // Row `row`'s raw scores to bf16 probabilities at p (the lazy online softmax); the factor
+    // its accumulators are to be scaled by first.
+    auto softmax_row = [&](int64_t row, __m512 raw, uint16_t* p) {
+      const int64_t pos = s.pos[row];
+      const int64_t low = window > 0 ? pos - window + 1 : 0;  // first visible key position
+      const __mmask16 visible =
+          first_lanes(n) &
+          _mm512_cmple_epi32_mask(key_pos, _mm512_set1_epi32(static_cast<int>(pos))) &
+          _mm512_cmpge_epi32_mask(key_pos, _mm512_set1_epi32(static_cast<int>(low)));
+      float alpha = 1.f;
+      if (visible == 0) {  // nothing visible: the row is left as it is
+        std::fill(p, p + 16, 0);
+        return alpha;
       }
+      __m512 sc = _mm512_mul_ps(raw, _mm512_set1_ps(scale));
+      if (slopes != nullptr) {
+        const __m512i distance =
+            _mm512_sub_epi32(key_pos, _mm512_set1_epi32(static_cast<int>(pos)));
+        sc = _mm512_fmadd_ps(_mm512_set1_ps(slopes[row % G]), _mm512_cvtepi32_ps(distance), sc);
+      }
+      sc = _mm512_mask_blend_ps(visible, neg_inf, sc);
+      float* sums = s.sum.data() + row * 16;
+      if (_mm512_cmp_ps_mask(sc, _mm512_set1_ps(s.max[row] + kLazyMax), _CMP_GT_OQ)) {
+        const float new_max = _mm512_reduce_max_ps(sc);
+        alpha = std::exp(s.max[row] - new_max);  // 0 on the row's first chunk
+        s.max[row] = new_max;
+        _mm512_storeu_ps(sums, _mm512_mul_ps(_mm512_loadu_ps(sums), _mm512_set1_ps(alpha)));
+      }
+      const __m512 e = _mm512_maskz_mov_ps(
+          visible, Vec(_mm512_sub_ps(sc, _mm512_set1_ps(s.max[row]))).exp_u20());
+      _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_loadu_ps(sums), e));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(e));
+      return alpha;
+    };
+    for (int64_t g0 = 0; g0 < padded_rows; g0 += group) {
+      if (base > s.pos[g0 + group - 1]) continue;  // the chunk is after every row of the group
+      float alpha[16];
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if (amx) {
+        amx_scores(s.q.data() + g0 * D, D, s.keys.data(), s.scores.data());
+        for (int k = 0; k < 16; ++k)
+          alpha[k] = softmax_row(g0 + k, _mm512_loadu_ps(s.scores.data() + k * 16),
+                                 s.probs.data() + k * 16);
+        amx_values(s.probs.data(), s.values.data(), D, s.pv.data());
+        for (int k = 0; k < 16; ++k) {
+          float* acc = s.acc.data() + (g0 + k) * D;
+          const __m512 a = _mm512_set1_ps(alpha[k]);
+          for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + d), a,
+                                                      _mm512_loadu_ps(s.pv.data() + k * D + d)));
+        }
+        continue;
+      }
+#endif
+      __m512 scores[kRows];
+      score_rows(s.q.data() + g0 * D, D, s.keys.data(), scores);
+      for (int k = 0; k < kRows; ++k)
+        alpha[k] = softmax_row(g0 + k, scores[k], s.probs.data() + k * 16);
       for (int64_t m0 = 0; m0 < D / 16; m0 += 4) {
         float* acc = s.acc.data() + g0 * D;
         const int64_t pairs = (n + 1) / 2;
@@ -207,6 +293,9 @@ void attend_tile_bf16(const c10::BFloat16* q_, int64_t q_token_stride,
       }
     }
   }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx) _tile_release();
+#endif
   for (int64_t row = 0; row < rows; ++row) {
     const float sum = _mm512_reduce_add_ps(_mm512_loadu_ps(s.sum.data() + row * 16));
     const Vec inv(sum > 0.f ? 1.f / sum : 0.f);

@@ -1,5 +1,6 @@
 // One prefill tile (a row's kv head, up to 16 queries) in bfloat16 with AVX512-BF16 dot products,
-// called by paged_prefill_attention.cpp where the CPU has them (Zen 4, Sapphire Rapids on).
+// or AMX tiles where the CPU has them (Sapphire Rapids on), called by paged_prefill_attention.cpp
+// where the CPU has the dot products (Zen 4, Sapphire Rapids on).
 #pragma once
 
 #include "cpu_vec.h"
@@ -17,17 +18,20 @@ struct PrefillRows {  // one task's view of the inputs
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 #define TRITONLM_PREFILL_BF16 1
 
-// Per thread: the tile's query rows (bf16 bits), the key chunk as [D / 2, 16] feature pairs, the
-// value chunk as [8, D, 2] row pairs, bf16 probabilities and the float32 running state (the
-// probabilities' sums per lane: [rows, 16]).
+// Per thread: the tile's query rows (bf16 bits; rows padded to 16, AMX's), the key chunk as
+// [D / 2, 16] feature pairs, the value chunk as [8, D, 2] row pairs, bf16 probabilities, the
+// float32 running state (the probabilities' sums per lane: [rows, 16]) and AMX tiles' outputs
+// (16 rows' scores, their P.V).
 struct PrefillScratchBf16 {
   std::vector<uint16_t> q, values, probs;
   std::vector<uint32_t> keys;
-  std::vector<float> acc, max, sum;
+  std::vector<float> acc, max, sum, scores, pv;
   std::vector<int64_t> pos;
   PrefillScratchBf16(int64_t rows, int64_t D)
-      : q(rows * D), values(16 * D), probs(4 * 16), keys(D / 2 * 16), acc(rows * D), max(rows),
-        sum(rows * 16), pos(rows) {}
+      : q(padded(rows) * D), values(16 * D), probs(16 * 16), keys(D / 2 * 16),
+        acc(padded(rows) * D), max(padded(rows)), sum(padded(rows) * 16), scores(16 * 16),
+        pv(16 * D), pos(padded(rows)) {}
+  static int64_t padded(int64_t rows) { return (rows + 15) / 16 * 16; }
 };
 
 // For D % 32 == 0. Same contract as the float path's tile: out gets the tile's query rows.
