@@ -23,7 +23,9 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <cstdlib>
 #include <optional>
+#include <string>
 #include <type_traits>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -32,6 +34,17 @@
 #endif
 
 namespace tritonlm {
+
+// How TRITONLM_BF16_MATMUL (tritonlm/layers/cpu_gemm.py's MULTIPLY_ENV, which checks its
+// values) forces bf16 products, read once: "amx", "dot", "fma", or "" (unset: each kernel's
+// own choice). The attention kernels follow it as the matmul does.
+inline const std::string& forced_bf16_multiply() {
+  static const std::string forced = [] {
+    const char* value = std::getenv("TRITONLM_BF16_MATMUL");
+    return std::string(value ? value : "");
+  }();
+  return forced;
+}
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // Whether this process may use AMX: Linux gives a process the tiles' state only once it asks

@@ -10,8 +10,6 @@
 #include "decode_attention_widened.h"
 
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -28,10 +26,8 @@ using namespace paged_decode;
 // products, 41 widened; 1 x 200: 0.60 / 0.52); Zen 4 at twice.
 bool bf16_attention_dots() {
   static const bool dots = [] {
-    const char* forced = std::getenv("TRITONLM_BF16_MATMUL");
-    if (forced && std::strcmp(forced, "dot") == 0) return true;
-    if (forced && std::strcmp(forced, "fma") == 0) return false;
-    return bf16_dot_product_speedup() >= 1;
+    const std::string& forced = forced_bf16_multiply();
+    return forced == "dot" || (forced != "fma" && bf16_dot_product_speedup() >= 1);
   }();
   return dots;
 }

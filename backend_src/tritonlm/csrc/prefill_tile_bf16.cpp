@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 
 namespace tritonlm {
@@ -132,11 +131,8 @@ inline void accumulate_rows(float* acc, int64_t D, const float* alpha, const uin
 // 5: A (the probabilities); 6: B (16 key pairs); 7: B (8 value row pairs, 16 features).
 // TRITONLM_BF16_MATMUL=dot or fma keeps the dot products (as it keeps the matmul off AMX).
 bool prefill_amx() {
-  static const bool amx = [] {
-    const char* forced = std::getenv("TRITONLM_BF16_MATMUL");
-    const bool other = forced && (std::strcmp(forced, "dot") == 0 || std::strcmp(forced, "fma") == 0);
-    return !other && amx_permitted();
-  }();
+  static const bool amx = forced_bf16_multiply() != "dot" && forced_bf16_multiply() != "fma" &&
+                          amx_permitted();
   return amx;
 }
 
