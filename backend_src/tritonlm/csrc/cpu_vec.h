@@ -54,6 +54,23 @@ inline bool amx_permitted() {
   static const bool permitted = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
   return permitted;
 }
+
+// Loads palette 1 with tiles 0-7 of rows[t] rows of colsb[t] bytes (0: unused).
+inline void load_tile_config(const uint8_t (&rows)[8], const uint16_t (&colsb)[8]) {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int tile = 0; tile < 8; ++tile) {
+    config.rows[tile] = rows[tile];
+    config.colsb[tile] = rows[tile] ? colsb[tile] : 0;
+  }
+  // GCC 12 dropped the stores to colsb as dead before the ldtilecfg (which then faulted on
+  // zero-width tiles); the barrier makes them land.
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
 #endif
 
 using Vec = at::vec::Vectorized<float>;

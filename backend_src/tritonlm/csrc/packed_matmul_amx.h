@@ -36,20 +36,10 @@ struct AmxTiles {
   // matmul ends.
   static void configure(int rows) {
     if (configured() == rows) return;
-    struct alignas(64) {
-      uint8_t palette = 1, start_row = 0, reserved[14] = {};
-      uint16_t colsb[16] = {};
-      uint8_t rows[16] = {};
-    } config;
-    const int first = std::min(rows, kTileRows), second = rows - first;
-    for (int tile : {0, 1, 4}) config.rows[tile] = first;
-    for (int tile : {2, 3, 5}) config.rows[tile] = second;
-    for (int tile : {6, 7}) config.rows[tile] = kStepPairs;
-    for (int tile = 0; tile < 8; ++tile) config.colsb[tile] = config.rows[tile] ? kRowBytes : 0;
-    // GCC 12 dropped the stores to colsb as dead before the ldtilecfg (which then faulted on
-    // zero-width tiles); the barrier makes them land.
-    asm volatile("" : : "r"(&config) : "memory");
-    _tile_loadconfig(&config);
+    const uint8_t first = std::min(rows, kTileRows), second = rows - first;
+    load_tile_config({first, first, second, second, first, second, kStepPairs, kStepPairs},
+                     {kRowBytes, kRowBytes, kRowBytes, kRowBytes, kRowBytes, kRowBytes, kRowBytes,
+                      kRowBytes});
     configured() = rows;
   }
 

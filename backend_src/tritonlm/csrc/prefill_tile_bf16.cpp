@@ -136,20 +136,7 @@ bool prefill_amx() {
   return amx;
 }
 
-void configure_amx() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } config;
-  for (int tile : {0, 1, 4, 5, 6}) config.rows[tile] = 16;
-  config.rows[7] = 8;
-  for (int tile : {0, 1, 4, 6, 7}) config.colsb[tile] = 64;
-  config.colsb[5] = 32;
-  // GCC 12 drops the colsb stores as dead before ldtilecfg (packed_matmul_amx.h)
-  asm volatile("" : : "r"(&config) : "memory");
-  _tile_loadconfig(&config);
-}
+void configure_amx() { load_tile_config({16, 16, 0, 0, 16, 16, 16, 8}, {64, 64, 0, 0, 64, 32, 64, 64}); }
 
 // scores[16, 16] = 16 query rows (D bf16 each, D % 32 == 0) . the staged chunk's keys.
 inline void amx_scores(const uint16_t* q, int64_t D, const uint32_t* keys, float* scores) {
