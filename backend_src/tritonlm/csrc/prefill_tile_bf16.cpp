@@ -163,6 +163,22 @@ inline void amx_values(const uint16_t* probs, const uint16_t* values, int64_t D,
 
 }  // namespace
 
+PrefillScratchBf16::PrefillScratchBf16(int64_t rows, int64_t D)
+    : q(padded(rows) * D), values(16 * D), probs(16 * 16), keys(D / 2 * 16),
+      acc(padded(rows) * D), max(padded(rows)), sum(padded(rows) * 16), scores(16 * 16),
+      pv(16 * D), pos(padded(rows)), amx(false) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  amx = rows > 0 && prefill_amx();
+  if (amx) configure_amx();  // the matmuls configure their own
+#endif
+}
+
+PrefillScratchBf16::~PrefillScratchBf16() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx) _tile_release();  // its 8 KB of state no longer saved at each context switch
+#endif
+}
+
 void attend_tile_bf16(const c10::BFloat16* q_, int64_t q_token_stride,
                       const c10::BFloat16* key_cache_, const c10::BFloat16* value_cache_,
                       const PrefillRows& r, int64_t n_queries, const float* slopes,
@@ -172,11 +188,7 @@ void attend_tile_bf16(const c10::BFloat16* q_, int64_t q_token_stride,
   const auto* key_cache = reinterpret_cast<const uint16_t*>(key_cache_);
   const auto* value_cache = reinterpret_cast<const uint16_t*>(value_cache_);
   const int64_t rows = n_queries * G;  // query row i * G + g
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  const bool amx = prefill_amx();
-#else
-  constexpr bool amx = false;
-#endif
+  const bool amx = s.amx;
   const int64_t group = amx ? 16 : kRows;  // rows scored and accumulated together
   const int64_t padded_rows = (rows + group - 1) / group * group;
   const int64_t pos0 = r.context - r.query_len + r.first_query;  // the tile's first position
@@ -193,9 +205,6 @@ void attend_tile_bf16(const c10::BFloat16* q_, int64_t q_token_stride,
   std::fill(s.sum.begin(), s.sum.begin() + padded_rows * 16, 0.f);
   const int64_t last_pos = pos0 + n_queries - 1;
   const int64_t first_key = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (amx) configure_amx();  // released at the end: the matmuls configure their own
-#endif
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   int64_t n = 0;
@@ -276,9 +285,6 @@ void attend_tile_bf16(const c10::BFloat16* q_, int64_t q_token_stride,
       }
     }
   }
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (amx) _tile_release();
-#endif
   for (int64_t row = 0; row < rows; ++row) {
     const float sum = _mm512_reduce_add_ps(_mm512_loadu_ps(s.sum.data() + row * 16));
     const Vec inv(sum > 0.f ? 1.f / sum : 0.f);

@@ -21,16 +21,18 @@ struct PrefillRows {  // one task's view of the inputs
 // Per thread: the tile's query rows (bf16 bits; rows padded to 16, AMX's), the key chunk as
 // [D / 2, 16] feature pairs, the value chunk as [8, D, 2] row pairs, bf16 probabilities, the
 // float32 running state (the probabilities' sums per lane: [rows, 16]) and AMX tiles' outputs
-// (16 rows' scores, their P.V).
+// (16 rows' scores, their P.V). A scratch with rows holds the thread's AMX tiles configured for
+// the tiles (where the CPU has them) until it goes: once per region, not per tile.
 struct PrefillScratchBf16 {
   std::vector<uint16_t> q, values, probs;
   std::vector<uint32_t> keys;
   std::vector<float> acc, max, sum, scores, pv;
   std::vector<int64_t> pos;
-  PrefillScratchBf16(int64_t rows, int64_t D)
-      : q(padded(rows) * D), values(16 * D), probs(16 * 16), keys(D / 2 * 16),
-        acc(padded(rows) * D), max(padded(rows)), sum(padded(rows) * 16), scores(16 * 16),
-        pv(16 * D), pos(padded(rows)) {}
+  bool amx;
+  PrefillScratchBf16(int64_t rows, int64_t D);
+  ~PrefillScratchBf16();
+  PrefillScratchBf16(const PrefillScratchBf16&) = delete;
+  PrefillScratchBf16& operator=(const PrefillScratchBf16&) = delete;
   static int64_t padded(int64_t rows) { return (rows + 15) / 16 * 16; }
 };
 
