@@ -111,6 +111,52 @@ def test_a_failing_callback_aborts_only_its_request(async_engine):
         async_engine.engine.block_manager.num_blocks
 
 
+def test_observers_run_on_the_sender_thread_and_count_a_request_before_its_last_output(
+        async_engine):
+    """Triton's metric calls are round trips to the server: they must not hold up the step loop,
+    and a scrape after a response must already count its request."""
+    events = []
+
+    class SlowObserver:  # a failing call is logged, not fatal to the loop or the other calls
+        def on_step(self, stats):
+            events.append(("step", threading.current_thread().name))
+            time.sleep(0.05)
+            raise RuntimeError("metric call failed")
+
+        def on_request_finished(self, request):
+            events.append(("finished", request.request_id, threading.current_thread().name))
+
+        def on_request_error(self, kind):
+            events.append(("error", kind))
+
+    observers_before = list(async_engine.engine.observers)
+    async_engine.observe(SlowObserver())
+    collector = Collector()
+    request = async_engine.engine.make_request("m", "Hi", SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True))
+
+    def on_output(output):
+        if output.finished:
+            events.append(("last output", output.request_id))
+        collector(output)
+    started = time.monotonic()
+    async_engine.submit(request, on_output)
+    assert collector.done.wait(120)
+    # the observer's 50 ms per step ran on the sender, in order with the outputs
+    assert time.monotonic() - started >= 0.3
+    assert len(async_engine.engine.observers) == len(observers_before) + 1
+    threads = {e[-1] for e in events if e[0] in ("step", "finished")}
+    assert threads == {"tritonlm-sender"}
+    order = [e[0] for e in events if e[0] != "step"]
+    assert order == ["finished", "last output"]
+    assert sum(e[0] == "step" for e in events) >= 6
+    async_engine.engine.report_error("invalid")
+    deadline = time.monotonic() + 10
+    while ("error", "invalid") not in events and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ("error", "invalid") in events
+
+
 def test_shutdown_ends_requests_in_flight_with_abort(smollm2_llm):
     engine = AsyncEngine(smollm2_llm.engine)
     engine.start()

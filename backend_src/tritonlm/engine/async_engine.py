@@ -1,6 +1,6 @@
 """Runs the engine's step loop on its own thread; requests come in from any thread and results
 go out through per-request callbacks, called on a sender thread so that the step loop never
-waits on the transport."""
+waits on the transport (nor on observers that report through it: see `observe`)."""
 import logging
 import queue
 import threading
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tritonlm.engine.llm_engine import LLMEngine, Request
 from tritonlm.engine.request_state import RequestOutput
+from tritonlm.engine.stats import EngineObserver, FinishedRequest, StepStats
 from tritonlm.errors import EngineFatalError, InvalidRequestError, OverloadedError
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ class AsyncEngine:
         # Called on the engine thread once if the loop dies (not on shutdown).
         self.on_death: Callable[[Exception], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="tritonlm-engine", daemon=True)
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # (handle, output); None ends it
+        # (handle, output), or (an observer's method, its argument); None ends it
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="tritonlm-sender",
                                         daemon=True)
         self._watcher = threading.Thread(target=self._watch_cancellations,
@@ -105,6 +107,13 @@ class AsyncEngine:
                 with self._watch_lock:
                     self._watched[request.request_id] = handle
             self._lock.notify()
+
+    def observe(self, observer: EngineObserver) -> None:
+        """Add an engine observer whose calls run on the sender thread, in order with the
+        outputs: a request is counted before its last output goes, and an observer that waits
+        on a transport (Triton's metric API: a round trip to the server per call) never holds up
+        the step loop."""
+        self.engine.observers.append(_OnSender(observer, self._outbox.put))
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -240,18 +249,27 @@ class AsyncEngine:
 
     def _send_loop(self) -> None:
         while (item := self._outbox.get()) is not None:
-            handle, output = item
-            if output.finished:
-                with self._watch_lock:
-                    self._watched.pop(output.request_id, None)
-                with self._lock:
-                    self._in_flight.discard(output.request_id)
+            target, value = item
+            if isinstance(target, _Handle):
+                self._send_output(target, value)
+                continue
             try:
-                handle.on_output(output)
+                target(value)
             except Exception:
-                logger.exception("delivering output for request %s failed", output.request_id)
-                if not output.finished:
-                    self.abort(output.request_id)
+                logger.exception("an engine observer failed")
+
+    def _send_output(self, handle: _Handle, output: RequestOutput) -> None:
+        if output.finished:
+            with self._watch_lock:
+                self._watched.pop(output.request_id, None)
+            with self._lock:
+                self._in_flight.discard(output.request_id)
+        try:
+            handle.on_output(output)
+        except Exception:
+            logger.exception("delivering output for request %s failed", output.request_id)
+            if not output.finished:
+                self.abort(output.request_id)
 
     def _fail_all(self, error: str | None, stopping: bool = False) -> None:
         """End every active request: with `error`, or as aborted when error is None;
@@ -274,6 +292,22 @@ class AsyncEngine:
             else:  # the engine had finished it: its last output went out already
                 with self._lock:
                     self._in_flight.discard(request_id)
+
+
+class _OnSender:
+    """An observer's calls, queued for the sender thread."""
+
+    def __init__(self, observer: EngineObserver, post: Callable[[tuple], None]):
+        self._observer, self._post = observer, post
+
+    def on_step(self, stats: StepStats) -> None:
+        self._post((self._observer.on_step, stats))
+
+    def on_request_finished(self, request: FinishedRequest) -> None:
+        self._post((self._observer.on_request_finished, request))
+
+    def on_request_error(self, kind: str) -> None:
+        self._post((self._observer.on_request_error, kind))
 
 
 def _error_output(request: Request, error: str) -> RequestOutput:

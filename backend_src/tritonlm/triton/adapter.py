@@ -48,7 +48,7 @@ class TritonPythonModel:
         self.async_engine.start()
         self.engine = self.async_engine.engine
         config = self.engine.config
-        self.engine.observers.append(TritonMetrics(
+        self.async_engine.observe(TritonMetrics(
             self.model_name, args["model_version"], self.engine.max_model_len,
             {"dtype": config.dtype, "kv_cache_dtype": config.kv_cache_dtype,
              "device": str(self.engine.runner.device),
@@ -62,7 +62,7 @@ class TritonPythonModel:
         endpoint = otlp_endpoint(self.engine.config.otlp_endpoint)
         self.tracer = RequestTracer(endpoint) if endpoint else None
         if self.tracer is not None:
-            self.engine.observers.append(self.tracer)
+            self.async_engine.observe(self.tracer)
         self.server_watch = ServerWatch(self.model_name, self._stop_serving)
         logger.info("tritonlm serving %s in %s: %d KV blocks of %d tokens, max_model_len %d",
                     model_dir, config.dtype, self.engine.runner.num_blocks, config.block_size,

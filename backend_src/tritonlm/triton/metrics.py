@@ -72,6 +72,9 @@ class TritonMetrics:
         self.blocks_free = self._gauge("kv_cache_blocks_free", "KV cache blocks free")
         self.blocks_total = self._gauge("kv_cache_blocks_total", "KV cache blocks allocated")
         self.usage = self._gauge("kv_cache_usage_perc", "Fraction of the KV cache in use (0 to 1)")
+        self._step_gauges = (self.running, self.waiting, self.preempted, self.blocks_used,
+                             self.blocks_free, self.blocks_total, self.usage)
+        self._step_values = (None,) * len(self._step_gauges)  # as last set
         # vLLM's lora_requests_info (what LoRA-aware routers read): one series, its labels the
         # adapters now running and waiting, its value when they last changed
         self._lora_family = None
@@ -101,13 +104,15 @@ class TritonMetrics:
         return self._metric(pb_utils.MetricFamily.GAUGE, name, description, labels=labels)
 
     def on_step(self, stats: StepStats) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.preempted.set(stats.num_preempted_waiting)
-        self.blocks_used.set(stats.kv_blocks_used)
-        self.blocks_free.set(stats.kv_blocks_total - stats.kv_blocks_used)
-        self.blocks_total.set(stats.kv_blocks_total)
-        self.usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
+        values = (stats.num_running, stats.num_waiting, stats.num_preempted_waiting,
+                  stats.kv_blocks_used, stats.kv_blocks_total - stats.kv_blocks_used,
+                  stats.kv_blocks_total, stats.kv_blocks_used / stats.kv_blocks_total)
+        # Each metric call is a round trip to the server process: gauges are set as they change
+        # (a few times a request), not every step.
+        for gauge, value, last in zip(self._step_gauges, values, self._step_values):
+            if value != last:
+                gauge.set(value)
+        self._step_values = values
         if stats.num_preemptions:
             self.preemptions.increment(stats.num_preemptions)
         if stats.prefix_cache_queries:
