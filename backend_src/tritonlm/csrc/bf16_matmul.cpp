@@ -6,6 +6,8 @@
 
 #ifdef TRITONLM_PACKED_MATMUL
 
+#include <ATen/ops/constant_pad_nd.h>
+
 #include <chrono>
 
 namespace tritonlm {

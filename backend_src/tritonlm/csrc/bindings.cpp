@@ -1,7 +1,7 @@
 // tritonlm's CPU kernels as torch ops in a library named after the extension (torch.ops.<name>,
 // so a dispatch mode sees them: op programs record them), and the Python module of the CPU's
 // features and op programs (tritonlm/layers/cpu_kernels.py builds it).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 

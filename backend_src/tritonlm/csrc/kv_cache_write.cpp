@@ -2,7 +2,7 @@
 // its cache row. k and v come straight from the fused QKV projection's split (rows strided), so
 // no contiguous copy is made first, and both caches are written in one pass (index_copy_ twice
 // cost ~80 us a layer at batch 32, mostly its per-element indexing).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <ATen/Parallel.h>
 

@@ -6,6 +6,8 @@
 
 #ifdef TRITONLM_PACKED_MATMUL
 
+#include <ATen/ops/linear.h>
+
 #include <vector>
 
 namespace tritonlm {

@@ -16,6 +16,8 @@
 #include "packed_matmul_amx.h"
 #include "packed_matmul_int8_dots.h"
 
+#include <ATen/ops/constant_pad_nd.h>
+
 namespace tritonlm {
 
 #ifdef TRITONLM_PACKED_MATMUL
