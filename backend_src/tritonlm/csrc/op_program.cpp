@@ -13,6 +13,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 namespace tritonlm {
@@ -97,8 +98,59 @@ class OpProgram {
 
   size_t size() const { return ops_.size(); }
 
+  // Takes as this program's own the storages of its tensors that lie at `addresses` (the fresh
+  // results of its recording); returns the bytes they need in an arena.
+  int64_t adopt_results(const std::vector<int64_t>& addresses) {
+    const std::unordered_set<int64_t> wanted(addresses.begin(), addresses.end());
+    auto adopt = [&](const at::Tensor& t) {
+      if (!t.defined() || !t.has_storage()) return;
+      c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+      const auto address = reinterpret_cast<int64_t>(storage->data());
+      if (!wanted.count(address) || !adopted_.insert(storage).second) return;
+      owned_.push_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage));
+    };
+    for (const auto& recorded : ops_) {
+      for (const auto& value : recorded.arguments) {
+        if (value.isTensor()) {
+          adopt(value.toTensor());
+        } else if (value.isTensorList()) {
+          for (const at::Tensor& t : value.toTensorList().vec()) adopt(t);
+        } else if (value.isOptionalTensorList()) {
+          for (const auto& t : value.toOptionalTensorList().vec())
+            if (t) adopt(*t);
+        }
+      }
+      for (const auto& result : recorded.results)
+        if (result) adopt(*result);
+    }
+    int64_t bytes = 0;
+    for (const auto& storage : owned_) bytes += aligned(storage->nbytes());
+    return bytes;
+  }
+
+  // Moves the adopted storages into `arena` (their contents too where `with_contents`), one
+  // after another from its start: programs that never run at once share one arena, as CUDA
+  // graphs share a pool. The caller keeps the arena alive while the program lives.
+  void place_results(const at::Tensor& arena, bool with_contents) {
+    auto* base = static_cast<char*>(arena.data_ptr());
+    int64_t offset = 0;
+    for (const auto& storage : owned_) {
+      const int64_t bytes = storage->nbytes();
+      TORCH_CHECK(offset + aligned(bytes) <= arena.nbytes(), "op program: an arena of ",
+                  arena.nbytes(), " bytes is too small for its results");
+      if (with_contents && bytes > 0 && storage->data() != base + offset)
+        std::memmove(base + offset, storage->data(), bytes);
+      storage->set_data_ptr_noswap(at::DataPtr(base + offset, arena.device()));
+      offset += aligned(bytes);
+    }
+  }
+
  private:
+  static int64_t aligned(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+
   std::vector<RecordedOp> ops_;
+  std::unordered_set<c10::StorageImpl*> adopted_;
+  std::vector<c10::intrusive_ptr<c10::StorageImpl>> owned_;  // in arena order
 };
 
 }  // namespace
@@ -114,6 +166,14 @@ void bind_op_program(py::module_& m) {
            py::arg("results"))
       .def("replay", &OpProgram::replay, "Runs every op in order, without the GIL",
            py::call_guard<py::gil_scoped_release>())
+      .def("adopt_results", &OpProgram::adopt_results,
+           "Takes the storages of the recorded tensors at these data addresses (the recording's "
+           "fresh results) as the program's own; returns the bytes they need in an arena",
+           py::arg("addresses"))
+      .def("place_results", &OpProgram::place_results,
+           "Moves the adopted storages into the start of arena (a uint8 tensor the caller keeps "
+           "alive), with their contents if asked; programs that never run at once can share one",
+           py::arg("arena"), py::arg("with_contents"))
       .def("__len__", &OpProgram::size);
 }
 

@@ -7,8 +7,10 @@ padding: they write to and attend over a scratch block no sequence owns.
 
 On CPU with the C++ kernels a step size is recorded as an op program (engine/op_programs.py) the
 first time it runs, and replayed after: the same buffers, no Python per op. CPU sizes are exact
-(a padding row costs compute there, not just a launch), recorded while the programs' own tensors
-fit PROGRAM_MEMORY; the sizes past it run eagerly. Otherwise a step runs
+(a padding row costs compute there, not just a launch). The programs' intermediate tensors lie in
+one arena that all of them share (they never run at once), as large as the largest program's
+(SmolLM2: ~310 KB a row); sizes whose program would need more than PROGRAM_MEMORY run eagerly.
+Otherwise a step runs
 the buffers eagerly (how the tests check the buffers and the padding, with the Triton decode
 kernel under Triton's CPU interpreter).
 """
@@ -23,7 +25,7 @@ from tritonlm.engine.op_programs import ProgramRecorder, RecordingRefused
 from tritonlm.layers.attention_metadata import AttentionMetadata, DecodeRows, write_locations
 
 logger = logging.getLogger(__name__)
-# What the CPU op programs' intermediate tensors may hold together (each size holds its own).
+# The most the CPU op programs' shared arena of intermediate tensors may take.
 PROGRAM_MEMORY = 256 << 20
 
 
@@ -51,7 +53,8 @@ class DecodeGraphs:
         self.windows = windows  # the other layers' sliding windows: they share the metadata
         self.buckets = buckets
         self.op_program = op_program
-        self.program_bytes = 0
+        self.arena: torch.Tensor | None = None  # the op programs' intermediate tensors
+        self.eager_from: int | None = None  # sizes from this one need more than PROGRAM_MEMORY
         rows = self.buckets[-1]
 
         def buffer(*shape, fill=0):
@@ -101,7 +104,7 @@ class DecodeGraphs:
         if key in self.graphs:
             self.graphs[key].replay()
             return self.outputs[key][:len(chunks)]
-        if self.op_program is not None and self.program_bytes < PROGRAM_MEMORY:
+        if self.op_program is not None and (self.eager_from is None or bucket < self.eager_from):
             return self._record(key)[:len(chunks)]
         return self._forward(bucket)[:len(chunks)]
 
@@ -118,8 +121,17 @@ class DecodeGraphs:
                            "(%s)", e)
             self.op_program = None
             return self._forward(bucket)
+        needed = program.adopt_results(sorted(recorder.result_storages))
+        if needed > PROGRAM_MEMORY:  # its results stay the allocator's; this size eager from now on
+            self.eager_from = min(bucket, self.eager_from or bucket)
+            return out
+        if self.arena is None or self.arena.numel() < needed:
+            grown = 0 if self.arena is None else min(2 * self.arena.numel(), PROGRAM_MEMORY)
+            self.arena = torch.empty(max(needed, grown), dtype=torch.uint8)
+            for other in self.graphs.values():  # what they hold now is never read again
+                other.place_results(self.arena, with_contents=False)
+        program.place_results(self.arena, with_contents=True)  # out among them
         self.graphs[key], self.outputs[key] = program, out
-        self.program_bytes += recorder.result_bytes
         return out
 
     def _forward(self, bucket: int) -> torch.Tensor:

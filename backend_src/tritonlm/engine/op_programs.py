@@ -62,8 +62,7 @@ class ProgramRecorder(TorchDispatchMode):
     def __init__(self, program):
         super().__init__()
         self.program = program
-        self.result_bytes = 0  # of the storages the program's results hold
-        self._storages = set()
+        self.result_storages: set[int] = set()  # data addresses of the program's fresh results
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -80,9 +79,8 @@ class ProgramRecorder(TorchDispatchMode):
             raise RecordingRefused(f"{func} returns {type(out).__name__}")
         for r in results:
             storage = isinstance(r, torch.Tensor) and not r.is_mkldnn and r.untyped_storage()
-            if storage and storage.data_ptr() not in inputs | self._storages:
-                self._storages.add(storage.data_ptr())
-                self.result_bytes += storage.nbytes()
+            if storage and storage.data_ptr() not in inputs:
+                self.result_storages.add(storage.data_ptr())
         kwargs = _result_into_out(func, args, kwargs, out)
         try:
             self.program.add(func._schema.name, func._schema.overload_name, tuple(args), kwargs,
