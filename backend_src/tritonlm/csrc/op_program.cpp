@@ -101,12 +101,12 @@ class OpProgram {
   // Takes as this program's own the storages of its tensors that lie at `addresses` (the fresh
   // results of its recording); returns the bytes they need in an arena.
   int64_t adopt_results(const std::vector<int64_t>& addresses) {
-    const std::unordered_set<int64_t> wanted(addresses.begin(), addresses.end());
+    std::unordered_set<int64_t> wanted(addresses.begin(), addresses.end());
     auto adopt = [&](const at::Tensor& t) {
       if (!t.defined() || !t.has_storage()) return;
       c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
       const auto address = reinterpret_cast<int64_t>(storage->data());
-      if (!wanted.count(address) || !adopted_.insert(storage).second) return;
+      if (wanted.erase(address) == 0) return;  // not a fresh result, or adopted already
       owned_.push_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage));
     };
     for (const auto& recorded : ops_) {
@@ -149,7 +149,6 @@ class OpProgram {
   static int64_t aligned(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 
   std::vector<RecordedOp> ops_;
-  std::unordered_set<c10::StorageImpl*> adopted_;
   std::vector<c10::intrusive_ptr<c10::StorageImpl>> owned_;  // in arena order
 };
 

@@ -136,7 +136,9 @@ bool prefill_amx() {
   return amx;
 }
 
-void configure_amx() { load_tile_config({16, 16, 0, 0, 16, 16, 16, 8}, {64, 64, 0, 0, 64, 32, 64, 64}); }
+void configure_amx() {
+  load_tile_config({16, 16, 0, 0, 16, 16, 16, 8}, {64, 64, 0, 0, 64, 32, 64, 64});
+}
 
 // scores[16, 16] = 16 query rows (D bf16 each, D % 32 == 0) . the staged chunk's keys.
 inline void amx_scores(const uint16_t* q, int64_t D, const uint32_t* keys, float* scores) {

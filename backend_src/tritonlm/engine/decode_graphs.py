@@ -10,9 +10,8 @@ first time it runs, and replayed after: the same buffers, no Python per op. CPU 
 (a padding row costs compute there, not just a launch). The programs' intermediate tensors lie in
 one arena that all of them share (they never run at once), as large as the largest program's
 (SmolLM2: ~310 KB a row); sizes whose program would need more than PROGRAM_MEMORY run eagerly.
-Otherwise a step runs
-the buffers eagerly (how the tests check the buffers and the padding, with the Triton decode
-kernel under Triton's CPU interpreter).
+Otherwise a step runs the buffers eagerly (how the tests check the buffers and the padding, with
+the Triton decode kernel under Triton's CPU interpreter).
 """
 import logging
 
