@@ -1,7 +1,6 @@
 """Runs the engine's step loop on its own thread; requests come in from any thread and results
-go out through per-request callbacks, called on sender threads so that the step loop never
+go out through per-request callbacks, called on a sender thread so that the step loop never
 waits on the transport (nor on observers that report through it: see `observe`)."""
-import itertools
 import logging
 import queue
 import threading
@@ -24,12 +23,6 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3
 # (with hundreds of requests in flight a sweep of round trips takes a while).
 CANCEL_POLL_INTERVAL = 0.1
 CANCEL_POLL_DUTY = 0.2
-# Outputs go out on this many threads, each request's on one of them (in order). A Triton send is
-# a blocking round trip to the server; with several in flight the server and its clients take
-# several responses a wake-up. 2 Emerald Rapids cores, 32 streamed requests over gRPC, one sender
-# against four, alternate rounds in one server: tritonserver 0.095 -> 0.086 cores, the client
-# 0.109 -> 0.094, output tokens/s 588 -> 656 (medians of 8 rounds each).
-SENDER_THREADS = 4
 
 
 @dataclass
@@ -37,7 +30,6 @@ class _Handle:
     request: Request
     on_output: OutputCallback
     is_cancelled: Callable[[], bool] | None
-    outbox: queue.SimpleQueue  # its sender's
 
 
 class AsyncEngine:
@@ -72,26 +64,22 @@ class AsyncEngine:
         # Called on the engine thread once if the loop dies (not on shutdown).
         self.on_death: Callable[[Exception], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="tritonlm-engine", daemon=True)
-        # Each sender's: (handle, output), or (an observer's method, its argument); None ends it.
-        self._outboxes = [queue.SimpleQueue() for _ in range(SENDER_THREADS)]
-        self._next_outbox = itertools.cycle(self._outboxes)  # under _lock
-        self._senders = [threading.Thread(target=self._send_loop, args=(outbox,),
-                                          name=f"tritonlm-sender-{i}", daemon=True)
-                         for i, outbox in enumerate(self._outboxes)]
+        # (handle, output), or (an observer's method, its argument); None ends it
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="tritonlm-sender",
+                                        daemon=True)
         self._watcher = threading.Thread(target=self._watch_cancellations,
                                          name="tritonlm-cancel-watch", daemon=True)
 
     def start(self) -> None:
         """Start the threads; with an engine to build, return once it is built (or raise why it
         could not be)."""
-        for sender in self._senders:
-            sender.start()
+        self._sender.start()
         self._watcher.start()
         self._thread.start()
         if self._make_engine is not None and (error := self._built.get()) is not None:
             self._thread.join()
-            for sender in self._senders:
-                sender.join()
+            self._sender.join()
             self._watcher.join()
             raise error
 
@@ -101,7 +89,7 @@ class AsyncEngine:
 
     def submit(self, request: Request, on_output: OutputCallback,
                is_cancelled: Callable[[], bool] | None = None) -> None:
-        """Queue a prepared request; `on_output` runs on its sender thread for every delta, in
+        """Queue a prepared request; `on_output` runs on the sender thread for every delta, in
         order; if it raises, the request is aborted. Raises OverloadedError when
         max_concurrent_requests are in flight already."""
         with self._lock:
@@ -113,7 +101,7 @@ class AsyncEngine:
                 raise OverloadedError(f"the model is overloaded: {limit} requests are in flight "
                                       "(max_concurrent_requests); retry later")
             self._in_flight.add(request.request_id)
-            handle = _Handle(request, on_output, is_cancelled, next(self._next_outbox))
+            handle = _Handle(request, on_output, is_cancelled)
             self._incoming.append(handle)
             if is_cancelled is not None:
                 with self._watch_lock:
@@ -121,11 +109,11 @@ class AsyncEngine:
             self._lock.notify()
 
     def observe(self, observer: EngineObserver) -> None:
-        """Add an engine observer whose calls run on sender threads, a finished request's on
-        its own sender before its last output (a request is counted before that output goes),
-        the others in order on one sender: an observer that waits on a transport (Triton's
-        metric API: a round trip to the server per call) never holds up the step loop."""
-        self.engine.observers.append(_OnSender(observer, self._outboxes[0], self._active))
+        """Add an engine observer whose calls run on the sender thread, in order with the
+        outputs: a request is counted before its last output goes, and an observer that waits
+        on a transport (Triton's metric API: a round trip to the server per call) never holds up
+        the step loop."""
+        self.engine.observers.append(_OnSender(observer, self._outbox.put))
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -141,9 +129,8 @@ class AsyncEngine:
             self._lock.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        for sender in self._senders:
-            if sender.is_alive():
-                sender.join(timeout)
+        if self._sender.is_alive():
+            self._sender.join(timeout)
         self._watcher.join(timeout)
         if self.engine is not None:
             self.engine.shutdown(step_running=self._thread.is_alive())
@@ -160,8 +147,7 @@ class AsyncEngine:
             self._loop_until_stopped()
         finally:
             self._ended.set()
-            for outbox in self._outboxes:
-                outbox.put(None)  # each sender delivers what is queued, then ends
+            self._outbox.put(None)  # the sender delivers what is queued, then ends
 
     def _loop_until_stopped(self) -> None:
         try:
@@ -259,10 +245,10 @@ class AsyncEngine:
         self._send(handle, output)
 
     def _send(self, handle: _Handle, output: RequestOutput) -> None:
-        handle.outbox.put((handle, output))
+        self._outbox.put((handle, output))
 
-    def _send_loop(self, outbox: queue.SimpleQueue) -> None:
-        while (item := outbox.get()) is not None:
+    def _send_loop(self) -> None:
+        while (item := self._outbox.get()) is not None:
             target, value = item
             if isinstance(target, _Handle):
                 self._send_output(target, value)
@@ -309,24 +295,19 @@ class AsyncEngine:
 
 
 class _OnSender:
-    """An observer's calls, queued for the senders: a finished request's for its own, which
-    sends its last output after them; the others for `outbox`. Called on the engine thread, the
-    only one that changes `active`."""
+    """An observer's calls, queued for the sender thread."""
 
-    def __init__(self, observer: EngineObserver, outbox: queue.SimpleQueue,
-                 active: dict[str, _Handle]):
-        self._observer, self._outbox, self._active = observer, outbox, active
+    def __init__(self, observer: EngineObserver, post: Callable[[tuple], None]):
+        self._observer, self._post = observer, post
 
     def on_step(self, stats: StepStats) -> None:
-        self._outbox.put((self._observer.on_step, stats))
+        self._post((self._observer.on_step, stats))
 
     def on_request_finished(self, request: FinishedRequest) -> None:
-        handle = self._active.get(request.request_id)
-        outbox = self._outbox if handle is None else handle.outbox
-        outbox.put((self._observer.on_request_finished, request))
+        self._post((self._observer.on_request_finished, request))
 
     def on_request_error(self, kind: str) -> None:
-        self._outbox.put((self._observer.on_request_error, kind))
+        self._post((self._observer.on_request_error, kind))
 
 
 def _error_output(request: Request, error: str) -> RequestOutput:
