@@ -1,4 +1,4 @@
-// What the paged decode-attention kernels (paged_decode_attention.cpp, decode_attention_widened.h)
+// What the paged decode-attention kernels (decode_attention_generic.h, decode_attention_widened.h)
 // share: their per-thread scratch and how they ask for K/V blocks ahead of reading them.
 #pragma once
 #include "cpu_vec.h"
