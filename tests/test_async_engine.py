@@ -1,8 +1,10 @@
 """The engine thread: callbacks per delta, cancellation frees blocks, shutdown aborts in flight."""
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from tritonlm.engine import async_engine as async_engine_module
 from tritonlm.engine.async_engine import AsyncEngine
@@ -44,6 +46,17 @@ def test_streams_deltas_and_finishes(async_engine, smollm2_llm):
     assert [t for o in collector.outputs for t in o.sequences[0].token_ids] == offline.token_ids
     assert "".join(o.sequences[0].text for o in collector.outputs) == offline.text
     assert [o.finished for o in collector.outputs] == [False] * 7 + [True]
+
+
+def test_its_threads_are_named_for_the_os_and_the_engine_passes_its_name_to_its_workers(
+        async_engine):
+    """top -H, perf and /proc show which thread is which; the engine's OpenMP workers, started
+    by the engine thread, carry its name."""
+    collector = submit(async_engine, "n", "Hello", temperature=0, max_tokens=4, ignore_eos=True)
+    assert collector.done.wait(120)
+    names = [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
+    assert {"tritonlm-engine", "tritonlm-sender", "tritonlm-cancel"} <= set(names)
+    assert names.count("tritonlm-engine") >= min(2, torch.get_num_threads())
 
 
 def test_cancellation_stops_the_request_and_frees_its_blocks(async_engine):

@@ -12,6 +12,7 @@ from tritonlm.engine.llm_engine import LLMEngine, Request
 from tritonlm.engine.request_state import RequestOutput
 from tritonlm.engine.stats import EngineObserver, FinishedRequest, StepStats
 from tritonlm.errors import EngineFatalError, InvalidRequestError, OverloadedError
+from tritonlm.thread_names import name_this_thread
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ class AsyncEngine:
             self.engine.shutdown(step_running=self._thread.is_alive())
 
     def _loop(self) -> None:
+        name_this_thread()  # before the engine's first parallel region: its workers inherit it
         try:
             if self._make_engine is not None:
                 try:
@@ -207,6 +209,7 @@ class AsyncEngine:
         self._active[handle.request.request_id] = handle
 
     def _watch_cancellations(self) -> None:
+        name_this_thread()
         pause = CANCEL_POLL_INTERVAL
         while not self._ended.wait(pause):
             with self._watch_lock:
@@ -248,6 +251,7 @@ class AsyncEngine:
         self._outbox.put((handle, output))
 
     def _send_loop(self) -> None:
+        name_this_thread()
         while (item := self._outbox.get()) is not None:
             target, value = item
             if isinstance(target, _Handle):

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tritonlm.interpreter import python_executable
+from tritonlm.thread_names import name_this_thread
 
 logger = logging.getLogger("tritonlm")
 
@@ -94,6 +95,7 @@ class ServerWatch:
             return False
 
     def _watch_readiness(self) -> None:
+        name_this_thread()
         seen_ready = False
         while not self._ended.wait(POLL_SECONDS):
             if self._is_ready():
