@@ -81,7 +81,7 @@ def test_programs_sharing_one_arena_replay_in_turn():
         program = KERNELS.OpProgram()
         with ProgramRecorder(program) as recorder:
             outs.append(step(state))
-        needed = program.adopt_results(sorted(recorder.result_storages))
+        needed = program.adopt_results(list(recorder.result_storages))
         assert needed >= outs[-1].nbytes
         programs.append((program, needed))
     arena = torch.empty(max(needed for _, needed in programs), dtype=torch.uint8)

@@ -120,9 +120,9 @@ class DecodeGraphs:
                            "(%s)", e)
             self.op_program = None
             return self._forward(bucket)
-        needed = program.adopt_results(sorted(recorder.result_storages))
+        needed = program.adopt_results(list(recorder.result_storages))
         if needed > PROGRAM_MEMORY:  # its results stay the allocator's; this size eager from now on
-            self.eager_from = min(bucket, self.eager_from or bucket)
+            self.eager_from = bucket  # only sizes below eager_from are recorded
             return out
         if self.arena is None or self.arena.numel() < needed:
             grown = 0 if self.arena is None else min(2 * self.arena.numel(), PROGRAM_MEMORY)
