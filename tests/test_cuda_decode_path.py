@@ -12,6 +12,7 @@ from transformers import (BloomConfig, BloomForCausalLM, LlamaConfig, LlamaForCa
 
 from family_check import assert_matches_transformers, random_prompts, reference_greedy
 from tritonlm import SamplingParams
+from tritonlm.engine import model_runner
 from tritonlm.engine.decode_graphs import DecodeGraphs, batch_buckets
 from tritonlm.engine.model_runner import ModelRunner
 from tritonlm.engine.step_plan import ScheduledChunk
@@ -37,8 +38,8 @@ def test_buckets_are_vllms(max_num_seqs, expected):
 
 
 def use_cuda_kernels(monkeypatch):
-    monkeypatch.setattr(ModelRunner, "_paged_kernels",
-                        lambda runner: PagedKernels(decode=triton_paged_attention.decode_attention))
+    monkeypatch.setattr(model_runner, "paged_kernels",
+                        lambda *setup: PagedKernels(decode=triton_paged_attention.decode_attention))
 
 
 @pytest.mark.parametrize("model", MODELS)

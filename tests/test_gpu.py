@@ -227,7 +227,7 @@ def test_gpu_memory_utilization_bounds_what_the_process_uses(tmp_path, smollm2_t
     llm.generate(prompts, SamplingParams(temperature=0.8, top_k=50, max_tokens=100,
                                          ignore_eos=True, logprobs=5))
     runner = llm.engine.runner
-    cache_bytes = runner.num_blocks * runner._bytes_per_block()
+    cache_bytes = runner.num_blocks * runner.cache_slots.bytes_per_block()
     assert cache_bytes > 0.5 * utilization * total  # a tiny model: the cache takes most of it
     assert peak <= utilization * total, (
         f"{peak / 2**30:.2f} GiB in use > {utilization} of {total / 2**30:.2f} GiB")

@@ -3,9 +3,15 @@
 cache gets what is left of it after the weights, the peak of the largest steps the scheduler can
 plan (run once on a temporary cache to measure it) and what CUDA, cuBLAS and NCCL hold outside
 torch's allocator."""
+import logging
+from collections.abc import Callable
+
+import torch
+
 from tritonlm.engine.step_plan import SamplingRow, ScheduledChunk, StepPlan
 from tritonlm.sampling_params import MAX_LOGPROBS, SamplingParams
 
+logger = logging.getLogger(__name__)
 GIB = 1 << 30
 
 # The costliest sampling a row can ask for: truncation (sorts over the vocabulary), penalties
@@ -38,6 +44,33 @@ def cuda_kv_cache_budget(total: int, free_at_start: int, free_now: int, reserved
             f"GiB, {outside_torch / GIB:.2f} GiB is held outside torch and the CUDA graphs take "
             f"{graph_bytes / GIB:.2f} GiB; raise it, or lower max_num_batched_tokens or "
             f"max_num_seqs")
+    return budget
+
+
+def measured_cuda_budget(device: torch.device, free_at_start: int, utilization: float,
+                         profile: Callable[[], int], graph_bytes: Callable[[], int]) -> int:
+    """cuda_kv_cache_budget from measurements: the peak torch reserves while `profile` runs the
+    largest steps (on a temporary cache: it returns that cache's bytes) and what the decode graphs
+    will hold (`graph_bytes`, measured after it)."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    cache_bytes = profile()
+    torch.cuda.synchronize(device)
+    # Reserved, not allocated: what the driver counts, the allocator's rounding and fragmentation
+    # included.
+    peak = torch.cuda.max_memory_reserved(device) - cache_bytes
+    torch.cuda.empty_cache()
+    free_now, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    graphs = graph_bytes()
+    budget = cuda_kv_cache_budget(total, free_at_start, free_now, reserved, peak, utilization,
+                                  graphs)
+    logger.info(
+        "KV cache sizing: GPU %.2f GiB, %.2f free at start, %.2f free now; torch holds %.2f "
+        "(%.2f allocated), peaked at %.2f in the profile steps besides their %.2f GiB cache; "
+        "decode graphs %.2f GiB; cache budget %.2f GiB", total / GIB, free_at_start / GIB,
+        free_now / GIB, reserved / GIB, torch.cuda.memory_allocated(device) / GIB, peak / GIB,
+        cache_bytes / GIB, graphs / GIB, budget / GIB)
     return budget
 
 

@@ -9,11 +9,12 @@ import torch
 from tritonlm.config import EngineConfig
 from tritonlm.distributed import parallel_state
 from tritonlm.distributed.ranks import RankGroup
+from tritonlm.engine.attention_setup import CacheSlots, flash_usable, paged_kernels
 from tritonlm.engine.auto_dtype import resolve_dtype, resolve_int8_activations
 from tritonlm.engine.decode_graphs import DecodeGraphs, batch_buckets, program_buckets
 from tritonlm.engine.decode_run import (CUDA_DECODE_RUN, decode_run, greedy_run,
                                         sampled_tokens, verification_plan)
-from tritonlm.engine.kv_cache_sizing import (GIB, cuda_kv_cache_budget, most_blocks_in_use,
+from tritonlm.engine.kv_cache_sizing import (GIB, measured_cuda_budget, most_blocks_in_use,
                                              profile_steps)
 from tritonlm.engine.lora_registry import read_registry
 from tritonlm.engine.lora_slots import LoRASlots
@@ -21,9 +22,8 @@ from tritonlm.engine.prompt_logprobs import prompt_logprobs
 from tritonlm.engine.sampling_inputs import SamplingInputs
 from tritonlm.engine.step_inputs import StepInputBuilder
 from tritonlm.engine.step_plan import SampledToken, StepPlan, StepResult
-from tritonlm.layers import cpu_kernels, triton_paged_attention, triton_support
-from tritonlm.layers.attention import (PagedAttention, PagedKernels, cache_block_shape,
-                                       flash_attention_usable)
+from tritonlm.layers import cpu_kernels
+from tritonlm.layers.attention import PagedAttention
 from tritonlm.layers.attention_metadata import AttentionSpec
 from tritonlm.layers.kv_cache import KVCache
 from tritonlm.layers.quantization import QuantizedWeight
@@ -81,11 +81,12 @@ class ModelRunner:
         for module in self.model.modules():
             if hasattr(module, "prepack_for_cpu") and not (shortlist and module is self.model):
                 module.prepack_for_cpu(config.max_num_seqs)
-        self.use_flash = (flash_attention_usable(self.device, self.dtype, self.block_size,
-                                                 config.kv_cache_dtype)
-                          and all(layer.position_bias is None or hasattr(layer.position_bias, "slopes")
-                                  for layer in self.attention_layers))  # flash knows only ALiBi
-        kernels = self._paged_kernels()
+        self.use_flash = flash_usable(self.attention_layers, self.device, self.dtype,
+                                      self.block_size, config.kv_cache_dtype)
+        self.cache_slots = CacheSlots(self.attention_layers, self.block_size, self.dtype,
+                                      config.kv_cache_dtype == "int8", self.use_flash, self.device)
+        kernels = paged_kernels(self.attention_layers, self.device, self.use_flash,
+                                config.kv_cache_dtype)
         self.inputs = StepInputBuilder(
             self.block_size, _attention_specs([a for a in self.attention_layers if a.causal]),
             _attention_specs([a for a in self.attention_layers if not a.causal]),
@@ -142,27 +143,12 @@ class ModelRunner:
         return self.device.type == "cpu" and self.attention_layers[0].kernels.decode is getattr(
             cpu_kernels.load(), "decode_attention", None)
 
-    def _paged_kernels(self) -> PagedKernels:
-        """The kernels that read the paged cache in place, where they can run every layer: they
-        read a 16- or 32-bit cache and know ALiBi, not T5's relative buckets. On CPU the C++
-        decode and prefill kernels; on CUDA without flash-attn the Triton decode kernel."""
-        if (self.use_flash or self.config.kv_cache_dtype != "auto"
-                or not all(layer.position_bias is None or hasattr(layer.position_bias, "slopes")
-                           for layer in self.attention_layers)):
-            return PagedKernels()
-        if self.device.type == "cuda" and triton_support.available(self.device):
-            return PagedKernels(decode=triton_paged_attention.decode_attention)
-        module = cpu_kernels.load() if self.device.type == "cpu" else None
-        if module is None:
-            return PagedKernels()
-        return PagedKernels(module.decode_attention, module.prefill_attention)
-
     def _size_kv_cache(self) -> int:
         """KV blocks: num_kv_blocks, or as many as the memory for them holds, at most what the
         running sequences can hold at once (the same on every rank)."""
         if self.config.num_kv_blocks:
             return self.config.num_kv_blocks
-        per_block = self._bytes_per_block()
+        per_block = self.cache_slots.bytes_per_block()
         if self.device.type != "cuda":
             budget, source = self.config.kv_cache_memory, f"kv_cache_memory {self.config.kv_cache_memory}"
         else:
@@ -184,32 +170,12 @@ class ModelRunner:
                     num_blocks * per_block / GIB, bound)
         return num_blocks
 
-    def _cache_layout(self) -> tuple[dict, tuple[int, ...]]:
-        first = self.attention_layers[0]
-        block_shape = cache_block_shape(self.block_size, first.num_kv_heads, first.head_dim,
-                                        self.use_flash)
-        slots = {}  # kv_slot (or the layer itself) -> index of its cache slice
-        for layer in self.attention_layers:
-            slots.setdefault(layer if layer.kv_slot is None else layer.kv_slot, len(slots))
-        return slots, block_shape
-
-    def _bytes_per_block(self) -> int:
-        slots, block_shape = self._cache_layout()
-        return KVCache.bytes_per_block(len(slots), block_shape, self.dtype,
-                                       self.config.kv_cache_dtype == "int8")
-
     def _allocate_kv_cache(self, num_blocks: int) -> None:
-        slots, block_shape = self._cache_layout()
-        self._use_kv_cache(KVCache(len(slots), num_blocks, block_shape, self.dtype,
-                                   self.config.kv_cache_dtype == "int8", self.device))
+        self._use_kv_cache(self.cache_slots.allocate(num_blocks))
 
     def _use_kv_cache(self, cache: KVCache | None) -> None:
-        slots, _ = self._cache_layout()
         self.kv_cache = cache
-        for layer in self.attention_layers:
-            slot = slots[layer if layer.kv_slot is None else layer.kv_slot]
-            layer.kv = None if cache is None else cache.layer(slot)
-            layer.use_flash = self.use_flash
+        self.cache_slots.attach(cache)
 
     @torch.inference_mode()
     def run_profile_steps(self) -> int:
@@ -237,26 +203,10 @@ class ModelRunner:
         return num_blocks
 
     def _profile_cuda_budget(self) -> int:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        cache_bytes = self.run_profile_steps() * self._bytes_per_block()
-        torch.cuda.synchronize(self.device)
-        # Reserved, not allocated: what the driver counts, the allocator's rounding and
-        # fragmentation included.
-        peak = torch.cuda.max_memory_reserved(self.device) - cache_bytes
-        torch.cuda.empty_cache()
-        free_now, total = torch.cuda.mem_get_info(self.device)
-        reserved = torch.cuda.memory_reserved(self.device)
-        graph_bytes = self._decode_graph_bytes() if self._decode_graphs_usable() else 0
-        budget = cuda_kv_cache_budget(total, self.free_at_start, free_now, reserved, peak,
-                                      self.config.gpu_memory_utilization, graph_bytes)
-        logger.info(
-            "KV cache sizing: GPU %.2f GiB, %.2f free at start, %.2f free now; torch holds %.2f "
-            "(%.2f allocated), peaked at %.2f in the profile steps besides their %.2f GiB cache; "
-            "decode graphs %.2f GiB; cache budget %.2f GiB", total / GIB, self.free_at_start / GIB,
-            free_now / GIB, reserved / GIB, torch.cuda.memory_allocated(self.device) / GIB,
-            peak / GIB, cache_bytes / GIB, graph_bytes / GIB, budget / GIB)
-        return budget
+        return measured_cuda_budget(
+            self.device, self.free_at_start, self.config.gpu_memory_utilization,
+            lambda: self.run_profile_steps() * self.cache_slots.bytes_per_block(),
+            self._decode_graph_bytes if self._decode_graphs_usable() else lambda: 0)
 
     def _decode_graph_bytes(self) -> int:
         """What the decode graphs will hold for good (their buffers and memory pool, and the
