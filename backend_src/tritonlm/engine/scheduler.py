@@ -2,9 +2,10 @@
 from collections import deque
 
 from tritonlm.engine.block_manager import BlockManager
+from tritonlm.engine.chunk_builder import build_chunk
 from tritonlm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from tritonlm.engine.speculation import Proposer
-from tritonlm.engine.step_plan import SampledToken, SamplingRow, ScheduledChunk, StepPlan
+from tritonlm.engine.step_plan import SampledToken, StepPlan
 
 
 class Scheduler:
@@ -225,41 +226,8 @@ class Scheduler:
         copy = self.block_manager.grow(seq, num_slots or num_new + len(draft))
         if copy is not None:
             plan.block_copies.append(copy)
-        start = seq.num_computed_tokens
-        reaches_end = start + num_new == seq.num_tokens
-        sampling, draft_banned = None, ()
-        if reaches_end:
-            sampling = SamplingRow(seq.params, seq.seed, seq.num_output_tokens, self._banned(seq))
-            draft_banned = tuple(self._banned(seq, draft[:j]) for j in range(1, len(draft) + 1))
-        tracked = seq.params.uses_penalties
-        # A sequence admitted on reused KV: the runner has not seen the tokens before `start`.
-        history = seq.token_ids[:start] if tracked and admitted else []
-        encoder = seq.encoder_token_ids or []
-        targets = (seq.token_ids[start + 1:min(start + num_new + 1, seq.num_prompt_tokens)]
-                   if seq.needs_prompt_logprobs else [])
-        plan.chunks.append(ScheduledChunk(
-            seq.seq_id, seq.token_ids[start:start + num_new] + list(draft), start,
-            list(seq.block_table),
-            sampling, seq.num_prompt_tokens, tracked, history,
-            encoder_token_ids=None if seq.encoder_computed or not encoder else list(encoder),
-            cross_block_table=list(seq.cross_block_table), encoder_len=len(encoder),
-            prompt_targets=targets, num_prompt_logprobs=seq.params.prompt_logprobs or 0,
-            num_draft_tokens=len(draft), draft_banned=draft_banned, lora_id=seq.lora_id))
+        plan.chunks.append(build_chunk(seq, num_new, list(draft), admitted, self.eos_token_ids))
         return num_new + len(draft)
-
-    def _banned(self, seq: Sequence, drafted: list[int] = ()) -> tuple[int, ...]:
-        """Stop tokens until min_tokens is reached; the last token of any bad word whose other
-        tokens the sequence has just produced; `drafted`: then these proposals."""
-        p = seq.params
-        banned = []
-        if seq.num_output_tokens + len(drafted) < p.min_tokens:
-            banned += p.stop_token_ids if p.ignore_eos else [*self.eos_token_ids, *p.stop_token_ids]
-        if seq.bad_words_ids:
-            tail = seq.token_ids[-max(map(len, seq.bad_words_ids)):] + list(drafted)
-            for word in seq.bad_words_ids:
-                if len(word) == 1 or tail[-(len(word) - 1):] == word[:-1]:
-                    banned.append(word[-1])
-        return tuple(banned)
 
     def update(self, plan: StepPlan, sampled: dict[int, SampledToken],
                prompt_logprobs: dict[int, list[SampledToken]] | None = None,
