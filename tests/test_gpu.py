@@ -204,7 +204,7 @@ def test_gpu_memory_utilization_bounds_what_the_process_uses(tmp_path, smollm2_t
     """The engine sizes its KV cache so that everything it holds (weights, cache, the largest
     step's activations, CUDA graphs, CUDA's own context) stays within the fraction, measured by
     the driver while the largest batch runs at the longest context. Run alone on its GPU."""
-    caplog.set_level(logging.INFO, logger="tritonlm.engine.model_runner")  # shown on failure
+    caplog.set_level(logging.INFO, logger="tritonlm.engine")  # the sizing, shown on failure
     utilization = 0.25
     _, repo = convert_tiny(tmp_path, "llama", smollm2_tokenizer, "bfloat16")
     total = torch.cuda.mem_get_info()[1]

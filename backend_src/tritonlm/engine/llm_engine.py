@@ -14,6 +14,7 @@ from tritonlm.config import WEIGHTS_DIR, EngineConfig
 from tritonlm.engine.auto_dtype import resolve_dtype
 from tritonlm.engine.block_manager import BlockManager
 from tritonlm.engine.detokenizer import IncrementalDetokenizer
+from tritonlm.engine.engine_reports import EngineReports
 from tritonlm.engine.generation_config import read_generation_config, sampling_defaults
 from tritonlm.distributed.ranks import RankGroup
 from tritonlm.engine.model_runner import ModelRunner, resolve_device
@@ -22,8 +23,7 @@ from tritonlm.engine.request_state import RequestOutput, RequestState
 from tritonlm.engine.scheduler import Scheduler
 from tritonlm.engine.sequence import FinishReason, Sequence
 from tritonlm.engine.speculation import make_proposer
-from tritonlm.engine.stats import (EngineObserver, FinishedRequest, RateLimitedWarning,
-                                   RequestTimeline, StepStats)
+from tritonlm.engine.stats import RequestTimeline
 from tritonlm.engine.step_plan import SampledToken
 from tritonlm.engine.structured_output import GrammarMatchers, Grammars
 from tritonlm.errors import InvalidRequestError
@@ -112,11 +112,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._requests: dict[str, RequestState] = {}
         self._seq_requests: dict[int, RequestState] = {}
-        self.observers: list[EngineObserver] = []
-        self._warn_preemption = RateLimitedWarning()
-        self._warn_cache_full = RateLimitedWarning()
-        # Prefix cache queries and hits, draft and accepted tokens already sent to observers
-        self._reported_counts = (0, 0, 0, 0)
+        self.reports = EngineReports(self.scheduler, self.block_manager, self._lora_names)
+        self.observers = self.reports.observers
 
     def _eos_token_ids(self, generation_config: dict) -> frozenset[int]:
         ids = set()
@@ -178,8 +175,7 @@ class LLMEngine:
 
     def report_error(self, kind: str) -> None:
         """Count a request that failed outside the step loop ("invalid", "cancelled", ...)."""
-        for observer in self.observers:
-            observer.on_request_error(kind)
+        self.reports.error(kind)
 
     def shutdown(self, step_running: bool = False) -> None:
         """Stop the other tensor-parallel ranks, if any; `step_running`: a step that did not
@@ -202,7 +198,7 @@ class LLMEngine:
         outputs = self._expire_queued() if self.config.queue_timeout is not None else []
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            self._report_step(plan)
+            self.reports.step(plan)
             return outputs
         start = time.time()
         for chunk in plan.chunks:
@@ -228,7 +224,7 @@ class LLMEngine:
                 outputs.append(output)
             if state.finished:
                 self._finished(state)
-        self._report_step(plan)  # after the step, so an idle engine reports idle values
+        self.reports.step(plan)  # after the step, so an idle engine reports idle values
         return outputs
 
     def _expire_queued(self) -> list[RequestOutput]:
@@ -245,33 +241,6 @@ class LLMEngine:
                                     f"{self.config.queue_timeout:g} s (queue_timeout) without "
                                     "being scheduled; retry later")
                 for request_id, state in expired.items()]
-
-    def _report_step(self, plan) -> None:
-        scheduler, blocks = self.scheduler, self.block_manager
-        if plan.preempted_seq_ids:
-            self._warn_preemption("preempted %d sequences (%d in all): the KV cache of %d blocks "
-                                  "is too small for this load", len(plan.preempted_seq_ids),
-                                  scheduler.num_preemptions, blocks.num_blocks)
-        if scheduler.blocked_by_cache:
-            self._warn_cache_full("KV cache exhausted: %d requests wait for free blocks",
-                                  len(scheduler.waiting))
-        if not self.observers:
-            return
-        totals = (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits,
-                  scheduler.num_draft_tokens, scheduler.num_accepted_tokens)
-        since = [total - reported for total, reported in zip(totals, self._reported_counts)]
-        self._reported_counts = totals
-        stats = StepStats(len(scheduler.running), len(scheduler.waiting),
-                          sum(s.num_output_tokens > 0 for s in scheduler.waiting),
-                          blocks.num_blocks - blocks.num_free_blocks, blocks.num_blocks,
-                          len(plan.preempted_seq_ids), *since,
-                          self._adapter_names(scheduler.running),
-                          self._adapter_names(scheduler.waiting))
-        for observer in self.observers:
-            observer.on_step(stats)
-
-    def _adapter_names(self, seqs) -> tuple[str, ...]:
-        return tuple(sorted({self._lora_names[s.lora_id] for s in seqs if s.lora_id}))
 
     def _fork(self, state: RequestState, first: Sequence) -> None:
         """n / best_of: the other sequences share the prompt's KV blocks with the first."""
@@ -290,25 +259,8 @@ class LLMEngine:
         for seq in state.seqs:
             del self._seq_requests[seq.seq_id]
         self.matchers.release(seq.seq_id for seq in state.seqs)
-        timeline = state.timeline
-        timeline.finished = time.time()
-        finished = FinishedRequest(state.request_id, timeline, state.num_prompt_tokens,
-                                   sum(s.num_output_tokens for s in state.seqs),
-                                   state.seqs[0].finish_reason, state.trace_parent,
-                                   sum(s.num_draft_tokens for s in state.seqs),
-                                   sum(s.num_accepted_tokens for s in state.seqs))
-        ttft = timeline.first_token - timeline.arrival if timeline.first_token else float("nan")
-        drafts, lora_id = finished.num_draft_tokens, state.seqs[0].lora_id
-        logger.info("request %s finished: reason=%s prompt_tokens=%d output_tokens=%d "
-                    "ttft=%.3fs total=%.3fs free_blocks=%d/%d%s", state.request_id,
-                    finished.finish_reason, finished.num_prompt_tokens, finished.num_output_tokens,
-                    ttft, timeline.finished - timeline.arrival,
-                    self.block_manager.num_free_blocks, self.block_manager.num_blocks,
-                    (f" draft_tokens={drafts} accepted={finished.num_accepted_tokens} "
-                     f"({finished.num_accepted_tokens / drafts:.0%})" if drafts else "")
-                    + (f" lora={self._lora_names[lora_id]}" if lora_id else ""))
-        for observer in self.observers:
-            observer.on_request_finished(finished)
+        state.timeline.finished = time.time()
+        self.reports.finished(state)
 
     def _logprob_entries(self, sampled: list[SampledToken]) -> list[dict]:
         """Logprob entries (token id, its text alone, logprob, whether it is a special token,
