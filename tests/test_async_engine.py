@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tritonlm.engine import async_engine as async_engine_module
+from tritonlm.engine import cancellation_watch
 from tritonlm.engine.async_engine import AsyncEngine
 from tritonlm.sampling_params import SamplingParams
 
@@ -84,8 +84,8 @@ def test_cancellation_is_never_asked_once_the_last_output_is_being_sent(async_en
                                                                         monkeypatch):
     """Triton frees a request's response factory when its final response is sent; asking
     is_cancelled() after that reads freed memory (tritonserver died with SIGSEGV)."""
-    monkeypatch.setattr(async_engine_module, "CANCEL_POLL_INTERVAL", 0.0005)
-    monkeypatch.setattr(async_engine_module, "CANCEL_POLL_DUTY", 1.0)  # sweep without a pause
+    monkeypatch.setattr(cancellation_watch, "CANCEL_POLL_INTERVAL", 0.0005)
+    monkeypatch.setattr(cancellation_watch, "CANCEL_POLL_DUTY", 1.0)  # sweep without a pause
     asked_after_final = []
     collectors = []
     for index in range(24):

@@ -1,13 +1,14 @@
 """Runs the engine's step loop on its own thread; requests come in from any thread and results
 go out through per-request callbacks, called on a sender thread so that the step loop never
-waits on the transport (nor on observers that report through it: see `observe`)."""
+waits on the transport (nor on observers that report through it: see `observe`), nor on
+questions of cancellation (engine/cancellation_watch.py)."""
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tritonlm.engine.cancellation_watch import CancellationWatch
 from tritonlm.engine.llm_engine import LLMEngine, Request
 from tritonlm.engine.request_state import RequestOutput
 from tritonlm.engine.stats import EngineObserver, FinishedRequest, StepStats
@@ -19,18 +20,12 @@ logger = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]
 # A step failing this often in a row is a broken engine, not a bad batch.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
-# is_cancelled() may be a round trip to another process (Triton's), so it is asked on a thread of
-# its own, this often (seconds) at most, and for no more than this share of the watcher's time
-# (with hundreds of requests in flight a sweep of round trips takes a while).
-CANCEL_POLL_INTERVAL = 0.1
-CANCEL_POLL_DUTY = 0.2
 
 
 @dataclass
 class _Handle:
     request: Request
     on_output: OutputCallback
-    is_cancelled: Callable[[], bool] | None
 
 
 class AsyncEngine:
@@ -52,12 +47,6 @@ class AsyncEngine:
         # Submitted requests whose last output is not sent yet (guarded by _lock): the count
         # max_concurrent_requests bounds.
         self._in_flight: set[str] = set()
-        self._watched: dict[str, _Handle] = {}  # unfinished requests with an is_cancelled
-        # Guards _watched. NOTE: is_cancelled() is asked under it, and a request leaves _watched
-        # under it before its last output is sent: Triton frees a request's response factory
-        # once the final response is sent, and is_cancelled() after that read freed memory
-        # (tritonserver died in TRITONBACKEND_ResponseFactoryIsCancelled).
-        self._watch_lock = threading.Lock()
         self._stopping = False
         self._stop_error: str | None = None  # what requests in flight at shutdown are told
         self._ended = threading.Event()  # set when the engine loop has ended
@@ -69,19 +58,18 @@ class AsyncEngine:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="tritonlm-sender",
                                         daemon=True)
-        self._watcher = threading.Thread(target=self._watch_cancellations,
-                                         name="tritonlm-cancel-watch", daemon=True)
+        self._cancellations = CancellationWatch(self._ended, self._cancel)
 
     def start(self) -> None:
         """Start the threads; with an engine to build, return once it is built (or raise why it
         could not be)."""
         self._sender.start()
-        self._watcher.start()
+        self._cancellations.thread.start()
         self._thread.start()
         if self._make_engine is not None and (error := self._built.get()) is not None:
             self._thread.join()
             self._sender.join()
-            self._watcher.join()
+            self._cancellations.thread.join()
             raise error
 
     @property
@@ -102,11 +90,10 @@ class AsyncEngine:
                 raise OverloadedError(f"the model is overloaded: {limit} requests are in flight "
                                       "(max_concurrent_requests); retry later")
             self._in_flight.add(request.request_id)
-            handle = _Handle(request, on_output, is_cancelled)
+            handle = _Handle(request, on_output)
             self._incoming.append(handle)
             if is_cancelled is not None:
-                with self._watch_lock:
-                    self._watched[request.request_id] = handle
+                self._cancellations.watch(request.request_id, is_cancelled)
             self._lock.notify()
 
     def observe(self, observer: EngineObserver) -> None:
@@ -132,7 +119,7 @@ class AsyncEngine:
             self._thread.join(timeout)
         if self._sender.is_alive():
             self._sender.join(timeout)
-        self._watcher.join(timeout)
+        self._cancellations.thread.join(timeout)
         if self.engine is not None:
             self.engine.shutdown(step_running=self._thread.is_alive())
 
@@ -208,31 +195,10 @@ class AsyncEngine:
             return
         self._active[handle.request.request_id] = handle
 
-    def _watch_cancellations(self) -> None:
-        name_this_thread()
-        pause = CANCEL_POLL_INTERVAL
-        while not self._ended.wait(pause):
-            with self._watch_lock:
-                handles = list(self._watched.values())
-            started = time.monotonic()
-            cancelled = [h.request.request_id for h in handles if self._asks_to_cancel(h)]
-            pause = max(CANCEL_POLL_INTERVAL,
-                        (time.monotonic() - started) * (1 - CANCEL_POLL_DUTY) / CANCEL_POLL_DUTY)
-            if cancelled:
-                with self._lock:
-                    self._cancels.extend(cancelled)
-                    self._lock.notify()
-
-    def _asks_to_cancel(self, handle: _Handle) -> bool:
-        with self._watch_lock:
-            if self._watched.get(handle.request.request_id) is not handle:
-                return False  # its last output is sent: its cancellation state is gone
-            try:
-                return handle.is_cancelled()
-            except Exception:
-                logger.exception("asking whether request %s was cancelled failed",
-                                 handle.request.request_id)
-                return False
+    def _cancel(self, request_ids: list[str]) -> None:
+        with self._lock:
+            self._cancels.extend(request_ids)
+            self._lock.notify()
 
     def _abort(self, request_id: str) -> None:
         output = self.engine.abort(request_id)
@@ -264,8 +230,7 @@ class AsyncEngine:
 
     def _send_output(self, handle: _Handle, output: RequestOutput) -> None:
         if output.finished:
-            with self._watch_lock:
-                self._watched.pop(output.request_id, None)
+            self._cancellations.forget(output.request_id)
             with self._lock:
                 self._in_flight.discard(output.request_id)
         try:
