@@ -1,6 +1,7 @@
 """The process environment vllm_runner.py gives vLLM: tcmalloc and Intel OpenMP preloaded (by
-re-executing the runner), OpenMP threads bound to this process's CPUs, nothing downloaded. Like
-the runner, a standalone file: the standard library only (psutil, a vLLM dependency, at most)."""
+re-executing the runner), OpenMP threads bound to this process's CPUs, nothing downloaded; and
+the HF model directory it reads. Like the runner, a standalone file: the standard library only
+(psutil, a vLLM dependency, at most)."""
 
 from __future__ import annotations
 
@@ -163,3 +164,30 @@ def setup_env(args: argparse.Namespace) -> dict:
         "KMP_AFFINITY", "KMP_TPAUSE", "GOMP_CPU_AFFINITY",
     })
     return {k: os.environ[k] for k in keys if k in os.environ}
+
+
+def hf_dir_for_vllm(weights_dir: str, dest: str) -> str:
+    """Fill ``dest`` with symlinks to every file of tritonlm's ``weights_dir`` (config.json,
+    tokenizer files, generation_config.json, ...), ``rank0.safetensors`` linked as
+    ``model.safetensors``. Other ranks' shards are skipped. Idempotent. Returns ``dest``."""
+    weights_dir = os.path.abspath(weights_dir)
+    if not os.path.isfile(os.path.join(weights_dir, "rank0.safetensors")):
+        raise FileNotFoundError(f"{weights_dir}/rank0.safetensors not found")
+    if not os.path.isfile(os.path.join(weights_dir, "config.json")):
+        raise FileNotFoundError(f"{weights_dir}/config.json not found")
+    os.makedirs(dest, exist_ok=True)
+    for name in sorted(os.listdir(weights_dir)):
+        src = os.path.join(weights_dir, name)
+        if not os.path.isfile(src):
+            continue
+        if name.startswith("rank") and name.endswith(".safetensors"):
+            if name != "rank0.safetensors":
+                continue
+            name = "model.safetensors"
+        link = os.path.join(dest, name)
+        if os.path.islink(link) or os.path.exists(link):
+            if os.path.islink(link) and os.readlink(link) == src:
+                continue
+            os.remove(link)
+        os.symlink(src, link)
+    return dest

@@ -34,7 +34,7 @@ stdlib only; our bench calls this from our own venv by running the script)::
 
     python vllm_runner.py --prepare-hf-dir WEIGHTS_DIR DEST
 
-  ``hf_dir_for_vllm(weights_dir, dest)`` does it: DEST gets a symlink to every file of
+  ``vllm_env.hf_dir_for_vllm(weights_dir, dest)`` does it: DEST gets a symlink to every file of
   WEIGHTS_DIR, with ``rank0.safetensors`` linked as ``model.safetensors`` (tensor-parallel
   shards of other ranks are left out). The file may also be imported by path
   (``importlib.util.spec_from_file_location``); importing it does nothing else.
@@ -101,33 +101,6 @@ vllm_env = _sibling("vllm_env")
 
 # Line prefixes of --rounds-on-stdin on stdout (vLLM may log there too).
 READY, ROUND = "vllm_runner ready ", "vllm_runner round "
-
-
-def hf_dir_for_vllm(weights_dir: str, dest: str) -> str:
-    """Fill ``dest`` with symlinks to every file of tritonlm's ``weights_dir`` (config.json,
-    tokenizer files, generation_config.json, ...), ``rank0.safetensors`` linked as
-    ``model.safetensors``. Other ranks' shards are skipped. Idempotent. Returns ``dest``."""
-    weights_dir = os.path.abspath(weights_dir)
-    if not os.path.isfile(os.path.join(weights_dir, "rank0.safetensors")):
-        raise FileNotFoundError(f"{weights_dir}/rank0.safetensors not found")
-    if not os.path.isfile(os.path.join(weights_dir, "config.json")):
-        raise FileNotFoundError(f"{weights_dir}/config.json not found")
-    os.makedirs(dest, exist_ok=True)
-    for name in sorted(os.listdir(weights_dir)):
-        src = os.path.join(weights_dir, name)
-        if not os.path.isfile(src):
-            continue
-        if name.startswith("rank") and name.endswith(".safetensors"):
-            if name != "rank0.safetensors":
-                continue
-            name = "model.safetensors"
-        link = os.path.join(dest, name)
-        if os.path.islink(link) or os.path.exists(link):
-            if os.path.islink(link) and os.readlink(link) == src:
-                continue
-            os.remove(link)
-        os.symlink(src, link)
-    return dest
 
 
 def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -312,7 +285,7 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     if args.prepare_hf_dir:
-        print(hf_dir_for_vllm(*args.prepare_hf_dir))
+        print(vllm_env.hf_dir_for_vllm(*args.prepare_hf_dir))
         return 0
     if argv is None:
         vllm_env.reexec_with_preload(__file__, args.omp)
