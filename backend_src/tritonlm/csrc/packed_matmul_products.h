@@ -86,7 +86,7 @@ PairRow<W> pair_row(const W* w, int64_t p) {
 // scale * sum + bias * (x's sum over the group), so widening a weight costs no more than for
 // bf16 or int8 rows. void: the weights are the values (bf16) or a per-feature scale multiplies
 // the sums (int8 rows).
-// XT: x's element: float (float_rows in packed_matmul_tasks.h), or int8 for the integer dots.
+// XT: x's element: float (float_rows in packed_matmul_widen.h), or int8 for the integer dots.
 template <typename I, typename Weight, typename Params = void, typename XT = float>
 struct WidenedFma {
   using X = XT;

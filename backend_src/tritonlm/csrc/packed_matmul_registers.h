@@ -10,7 +10,7 @@
 namespace tritonlm {
 namespace packed_matmul {
 
-// 4-bit weights (0..15) in one of two layouts (the build's Int4Weight, packed_matmul_int8_dots.h):
+// 4-bit weights (0..15) in one of two layouts (the build's Int4Weight, packed_matmul_vnni_dots.h):
 // - Int4Pair: a feature pair per byte, the even k in the low nibble, the odd k in the high;
 // - Int4Quads (AVX512-VNNI builds): two pair rows (k = 4q..4q+3) per 64-byte quad row of a
 //   block; byte 4l + i holds feature l's k = 4q + i in its low nibble, feature 16 + l's in its

@@ -8,13 +8,14 @@
 //   GPTQ, round-to-nearest and GGUF groups): a tile adds scale * (its sum of q * x over the
 //   group) + bias * (x's sum over the group). The parameters are float32, or float16 where
 //   they are exact in it (WidenedFma's Params).
-// A prompt's row tiles share a block widened once (prewiden in packed_matmul.h), or, where the
-// caller measured float32 sgemm faster (sgemm_rows), the whole weight is dequantized once for it.
-// Below int8_rows rows, grouped weights multiply x quantized to int8 (packed_matmul_int8_dots.h);
-// from amx_rows rows of bfloat16 x, AMX tiles multiply each block dequantized to bfloat16
-// (packed_matmul_amx.h).
+// A prompt's row tiles share a block widened once (prewiden in packed_matmul_widen.h), or, where
+// the caller measured float32 sgemm faster (sgemm_rows), the whole weight is dequantized once for
+// it.
+// Below int8_rows rows, grouped weights multiply x quantized to int8 (packed_matmul_int8_dots.h,
+// packed_matmul_vnni_dots.h); from amx_rows rows of bfloat16 x, AMX tiles multiply each block
+// dequantized to bfloat16 (packed_matmul_amx.h).
 #include "packed_matmul_amx.h"
-#include "packed_matmul_int8_dots.h"
+#include "packed_matmul_vnni_dots.h"
 
 #include <ATen/ops/constant_pad_nd.h>
 
