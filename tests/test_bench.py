@@ -124,6 +124,28 @@ def test_served_over_grpc_at_several_concurrencies_and_stream_intervals(smollm2_
     assert [run["concurrency"] for run in per_token] == [1, 4]
 
 
+def test_a_served_runs_cores_are_told_by_part(smollm2_server):
+    """Read from the real server's processes: the engine's threads are found by their name in
+    Triton's stub (set on our threads, inherited by its OpenMP workers), the parts add up to
+    no more than the machine, and the engine takes the most."""
+    import asyncio
+    import os
+
+    import psutil
+    from tritonlm.bench.cpu_shares import CpuShares
+    from tritonlm.bench.serve_client import run_load
+    from tritonlm.bench.workloads import fixed
+    server = next(p for p in psutil.Process(smollm2_server.process.pid).children(recursive=True)
+                  if p.name() == "tritonserver")
+    batch = fixed(8, 16, 48, 49152, seed=11)
+    _, cores = CpuShares(server.pid).measure(lambda: asyncio.run(run_load(
+        batch, smollm2_server.grpc_url, "llm", "grpc", 4, None, 0)))
+    assert list(cores) == ["tritonserver", "engine", "stub's other threads", "client"]
+    assert cores["engine"] > 0.2 and cores["engine"] == max(cores.values()), cores
+    assert all(used > 0 for used in cores.values()), cores
+    assert sum(cores.values()) <= len(os.sched_getaffinity(0)) * 1.05, cores
+
+
 def test_served_through_the_front_end_against_grpc_run_by_run(smollm2_server, smollm2_repo,
                                                               tmp_path, capsys):
     """grpc, openai (/v1/completions) and tgi (/generate_stream) alternate round by round; each

@@ -6,6 +6,7 @@ import threading
 
 _PR_SET_NAME = 15
 _NAME_BYTES = 15  # the kernel's limit, its NUL not counted
+ENGINE_THREAD = "tritonlm-engine"  # the step loop's thread (engine/async_engine.py)
 
 
 def name_this_thread() -> None:

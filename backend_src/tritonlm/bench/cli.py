@@ -231,6 +231,7 @@ def main(argv=None) -> None:
         print(f"  {ours} / {name}: {vs[name]:.2f}x output tokens/s{spread}")
     versus_grpc = report.versus_grpc(runs)
     report.print_versus_grpc(versus_grpc)
+    report.print_cpu_shares(runs)
     speculation = report.speculation(runs, systems.speculation_suffix(args.speculative))
     report.print_speculation(speculation)
     if args.lora:

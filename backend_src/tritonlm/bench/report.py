@@ -2,6 +2,7 @@
 throughput as a PNG."""
 import json
 import math
+import os
 import statistics
 from pathlib import Path
 
@@ -79,6 +80,15 @@ def print_versus_grpc(versus: dict[str, dict]) -> None:
                        if len(ttft) > 1 else "")
         print(f"  {v['protocol']} / grpc at {load}: {v['ratio']:.2f}x output tokens/s{spread}; "
               f"median TTFT {v['ttft_p50_diff_ms']:+.1f} ms{ttft_spread}")
+
+
+def print_cpu_shares(runs: list[dict]) -> None:
+    """The cores each part of a served system used in its median round (bench/cpu_shares.py)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    for run in runs:
+        if run.get("cpu_cores"):
+            parts = ", ".join(f"{part} {used:.2f}" for part, used in run["cpu_cores"].items())
+            print(f"  cores used in {run['system']}: {parts} (of {cores})")
 
 
 def speculation(runs: list[dict], suffix: str) -> dict[str, dict]:

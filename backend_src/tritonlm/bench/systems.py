@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 from tqdm import tqdm
 
 from tritonlm.bench import metrics, workloads
+from tritonlm.bench.cpu_shares import CpuShares
 from tritonlm.bench.workloads import BenchRequest
 from tritonlm.config import EngineConfig
 from tritonlm.ports import free_ports
@@ -129,13 +130,14 @@ def server_urls(args) -> dict[str, str] | None:
 
 
 @contextmanager
-def _server(args, model_dir: Path) -> Iterator[dict[str, str]]:
+def _server(args, model_dir: Path) -> Iterator[tuple[dict[str, str], CpuShares | None]]:
     """Each --protocol's URL: on the running server that --url / --frontend-url name, or on a
     tritonserver (and, for openai / tgi, the HTTP front end beside it, as tritonlm-serve runs
-    them) started on --model's repository."""
+    them) started on --model's repository; and, for a server started here, the CPU its parts
+    use."""
     urls = server_urls(args)
     if urls is not None:
-        yield urls
+        yield urls, None
         return
     from tritonlm.frontend_process import FrontendProcess
     from tritonlm.serve import TritonServerProcess
@@ -156,7 +158,8 @@ def _server(args, model_dir: Path) -> Iterator[dict[str, str]]:
                     raise SystemExit(f"the HTTP front end did not become ready; see {log.name}")
             base = {"grpc": f"127.0.0.1:{grpc}", "http": f"127.0.0.1:{http}",
                     **{p: f"http://127.0.0.1:{frontend_port}" for p in FRONT_END_PROTOCOLS}}
-            yield {protocol: base[protocol] for protocol in args.protocol}
+            shares = CpuShares(server.proc.pid, frontend.proc.pid if frontend else None)
+            yield {protocol: base[protocol] for protocol in args.protocol}, shares
         finally:
             if frontend is not None:
                 frontend.stop()
@@ -195,7 +198,7 @@ def served(args, model_dir: Path, requests: list[BenchRequest], vocab_size: int
     model_dir = Path(model_dir)
     model = args.served_model or model_dir.name
     prompt_text = prompt_texts(model_dir) if "tgi" in args.protocol else None
-    with _server(args, model_dir) as urls:
+    with _server(args, model_dir) as (urls, shares):
         def load(protocol, batch, concurrency=None, rate=None, done=lambda: None,
                  stream_interval=1):
             return asyncio.run(run_load(batch, urls[protocol], model, protocol, concurrency,
@@ -221,10 +224,16 @@ def served(args, model_dir: Path, requests: list[BenchRequest], vocab_size: int
 
             def run() -> dict:
                 batch = fresh(requests)
-                return _timed(label, batch, lambda done: load(protocol, batch, **rate, done=done,
-                                                              stream_interval=interval),
-                              args.slo, series=series, protocol=protocol,
-                              stream_interval=interval, **{kind: value})
+
+                def timed() -> dict:
+                    return _timed(label, batch, lambda done: load(
+                        protocol, batch, **rate, done=done, stream_interval=interval),
+                        args.slo, series=series, protocol=protocol, stream_interval=interval,
+                        **{kind: value})
+                if shares is None:
+                    return timed()
+                summary, cores = shares.measure(timed)
+                return {**summary, "cpu_cores": cores} if cores else summary
             return System(label, run, extra)
         # TGI's API streams a response per token: it gets no series for larger intervals
         yield [system(protocol, kind, value, interval) for interval in args.stream_interval

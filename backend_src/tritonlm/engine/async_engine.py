@@ -13,7 +13,7 @@ from tritonlm.engine.llm_engine import LLMEngine, Request
 from tritonlm.engine.request_state import RequestOutput
 from tritonlm.engine.stats import EngineObserver, FinishedRequest, StepStats
 from tritonlm.errors import EngineFatalError, InvalidRequestError, OverloadedError
-from tritonlm.thread_names import name_this_thread
+from tritonlm.thread_names import ENGINE_THREAD, name_this_thread
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class AsyncEngine:
         self.death: Exception | None = None  # why the loop died, if it did
         # Called on the engine thread once if the loop dies (not on shutdown).
         self.on_death: Callable[[Exception], None] | None = None
-        self._thread = threading.Thread(target=self._loop, name="tritonlm-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=ENGINE_THREAD, daemon=True)
         # (handle, output), or (an observer's method, its argument); None ends it
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="tritonlm-sender",
