@@ -168,4 +168,17 @@ bool has_bf16_dot_products() {
   return false;
 #endif
 }
+// How bf16 products are multiplied, given the way TRITONLM_BF16_MATMUL forces ("amx", "dot",
+// "fma", or "" for none; cpu_gemm.py checks its values): in AMX tiles wherever the CPU has them,
+// unless dot products or FMAs are forced; elsewhere (and for what the tiles do not take) with
+// AVX512-BF16 dot products where they issue at least as many FLOPs as float32 FMAs on widened
+// values (Zen 4/5; Intel Xeons issue them at half the rate), unless FMAs are forced. The
+// matmul's caller and the attention kernels ask the same.
+bool multiplies_in_amx(const std::string& forced) {
+  return (forced.empty() || forced == "amx") && has_amx_tiles();
+}
+bool multiplies_by_bf16_dots(const std::string& forced) {
+  return forced == "dot" ||
+         (forced != "fma" && has_bf16_dot_products() && bf16_dot_product_speedup() >= 1);
+}
 }  // namespace tritonlm

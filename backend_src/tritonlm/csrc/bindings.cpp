@@ -50,6 +50,8 @@ void bind_op_program(pybind11::module_& m);  // op_program.cpp
 bool has_bf16_matmul();
 bool has_bf16_dot_products();
 bool has_amx_tiles();
+bool multiplies_in_amx(const std::string& forced);
+bool multiplies_by_bf16_dots(const std::string& forced);
 bool has_vnni_dot_products();
 bool has_int4_quads();
 }  // namespace tritonlm
@@ -148,6 +150,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("vector_lanes") = vector_lanes();
   m.attr("has_bf16_dot_products") = has_bf16_dot_products();
   m.attr("has_amx_tiles") = has_amx_tiles();  // bf16 matmuls in AMX tiles
+  m.def("multiplies_in_amx", &multiplies_in_amx,
+        "whether bf16 products run in AMX tiles, given the way TRITONLM_BF16_MATMUL forces "
+        "('' for none)");
+  m.def("multiplies_by_bf16_dots", &multiplies_by_bf16_dots,
+        "whether bf16 products outside AMX tiles run as AVX512-BF16 dot products rather than "
+        "float32 FMAs on widened values, given the way TRITONLM_BF16_MATMUL forces ('' for none; "
+        "measures the dot products' speed unless forced)",
+        py::call_guard<py::gil_scoped_release>());
   m.attr("has_vnni_dot_products") = has_vnni_dot_products();  // int8 inputs: AVX512-VNNI
   m.attr("has_int4_quads") = has_int4_quads();  // 4-bit weights packed in quad rows
   bind_op_program(m);

@@ -13,21 +13,17 @@
 #include <optional>
 
 namespace tritonlm {
-double bf16_dot_product_speedup();  // bf16_matmul.cpp
+bool multiplies_by_bf16_dots(const std::string& forced);  // bf16_matmul.cpp
 
 namespace {
 using namespace paged_decode;
 
 // Whether a bf16 cache is read with AVX512-BF16 dot products (attend_group_bf16) or widened for
-// float32 FMAs (attend_widened): the way this CPU issues more FLOPs with, as the bf16 matmul
-// chooses (TRITONLM_BF16_MATMUL=dot|fma forces it). Intel Xeons issue dot products at half the
-// FMAs' rate (2 Emerald Rapids cores, 30 SmolLM2 layers, 64 sequences x 500 keys: 53 ms with dot
-// products, 41 widened; 1 x 200: 0.60 / 0.52); Zen 4 at twice.
+// float32 FMAs (attend_widened): as the bf16 matmul multiplies. Intel Xeons issue dot products at
+// half the FMAs' rate (2 Emerald Rapids cores, 30 SmolLM2 layers, 64 sequences x 500 keys: 53 ms
+// with dot products, 41 widened; 1 x 200: 0.60 / 0.52); Zen 4 at twice.
 bool bf16_attention_dots() {
-  static const bool dots = [] {
-    const std::string& forced = forced_bf16_multiply();
-    return forced == "dot" || (forced != "fma" && bf16_dot_product_speedup() >= 1);
-  }();
+  static const bool dots = multiplies_by_bf16_dots(forced_bf16_multiply());
   return dots;
 }
 

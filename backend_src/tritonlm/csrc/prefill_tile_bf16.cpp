@@ -16,6 +16,8 @@
 #include <cstring>
 
 namespace tritonlm {
+bool multiplies_in_amx(const std::string& forced);  // bf16_matmul.cpp
+
 namespace {
 
 constexpr int kRows = 4;  // query rows scored and accumulated together (register tiles)
@@ -129,10 +131,9 @@ inline void accumulate_rows(float* acc, int64_t D, const float* alpha, const uin
 // [D / 2, 16] pairs are B tiles of scores = Q K^T as they lie, values [8, D, 2] row pairs B tiles
 // of P V. Tiles: 0, 1: C (scores, a feature block's P V); 4: A (32 features of the queries);
 // 5: A (the probabilities); 6: B (16 key pairs); 7: B (8 value row pairs, 16 features).
-// TRITONLM_BF16_MATMUL=dot or fma keeps the dot products (as it keeps the matmul off AMX).
+// Where the bf16 matmul multiplies in them (TRITONLM_BF16_MATMUL=dot or fma keeps dot products).
 bool prefill_amx() {
-  static const bool amx = forced_bf16_multiply() != "dot" && forced_bf16_multiply() != "fma" &&
-                          amx_permitted();
+  static const bool amx = multiplies_in_amx(forced_bf16_multiply());
   return amx;
 }
 

@@ -54,19 +54,18 @@ def _forced_multiply(kernels) -> str:
 @functools.cache
 def amx_for_this_cpu(kernels) -> bool:
     """Whether the kernel multiplies in AMX tiles (where K is a multiple of 32): wherever the
-    CPU has them, unless MULTIPLY_ENV names another way."""
-    return _forced_multiply(kernels) in ("", "amx") and kernels.has_amx_tiles
+    CPU has them, unless MULTIPLY_ENV names another way (the kernels' rule, which their
+    attention follows too)."""
+    return kernels.multiplies_in_amx(_forced_multiply(kernels))
 
 
 @functools.cache
 def widen_for_this_cpu(kernels) -> bool:
     """Whether the kernel should multiply with float32 FMAs rather than bf16 dot products: the
     way that does more FLOPs per second on this CPU, measured once per process (a few ms), or
-    the one MULTIPLY_ENV names (read once)."""
-    forced = _forced_multiply(kernels)
-    if forced in ("dot", "fma"):
-        return forced == "fma"
-    return not kernels.has_bf16_dot_products or kernels.bf16_dot_product_speedup() < 1
+    the one MULTIPLY_ENV names (read once; the kernels' rule, which their attention follows
+    too)."""
+    return not kernels.multiplies_by_bf16_dots(_forced_multiply(kernels))
 
 
 @functools.cache
