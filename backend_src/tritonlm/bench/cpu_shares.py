@@ -62,5 +62,4 @@ class CpuShares:
         seconds, after = time.perf_counter() - start, self.snapshot()
         if not before or not after or seconds <= 0:
             return result, {}
-        return result, {part: round((after[part] - before[part]) / seconds, 3)
-                        for part in after if part in before}
+        return result, {part: round((after[part] - before[part]) / seconds, 3) for part in after}
