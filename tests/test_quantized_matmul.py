@@ -133,12 +133,29 @@ def assert_packed_params(layer: QuantizedWeight, half: bool) -> None:
     assert all(t.dtype == (torch.float16 if half else torch.float32) for t in params)
 
 
+def multiply_bf16_prompts(multiply: str, monkeypatch) -> None:
+    """How layers made next multiply bfloat16 inputs on each block dequantized to bfloat16: in
+    AMX tiles ("amx") or by AVX512-BF16 dot products ("dot") from one row (skipped where this
+    build has neither), or never (anything else)."""
+    kernels = cpu_kernels.load()
+    if multiply == "amx" and not kernels.has_amx_tiles:
+        pytest.skip("this CPU (or this build) has no AMX tiles")
+    if multiply == "dot" and not kernels.has_bf16_dot_products:
+        pytest.skip("this CPU (or this build) has no AVX512-BF16 dot products")
+    monkeypatch.setattr(quantized_matmul, "AMX_ROWS", 1 if multiply == "amx" else 0)
+    monkeypatch.setattr(quantized_matmul, "DOT_ROWS", 1 if multiply == "dot" else 0)
+    if multiply == "dot":  # where AMX tiles or widened FMAs are this CPU's way
+        monkeypatch.setattr(cpu_gemm, "amx_for_this_cpu", lambda kernels: False)
+        monkeypatch.setattr(cpu_gemm, "widen_for_this_cpu", lambda kernels: False)
+
+
 @pytest.mark.skipif(not OURS, reason="no AVX2 + FMA: torch's kernels run")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,multiply", [(1, "tiles"), (3, "tiles"), (13, "tiles"),
                                            (200, "tiles"), (3, "sgemm"), (200, "sgemm"),
                                            (1, "amx"), (13, "amx"), (40, "amx"), (200, "amx"),
-                                           (2400, "amx")])
+                                           (2400, "amx"), (1, "dot"), (13, "dot"), (200, "dot"),
+                                           (2400, "dot")])
 @pytest.mark.parametrize("out_features,in_features", [(50, 34), (96, 224), (7, 2), (40, 33)])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_our_packed_kernel_takes_any_shape(layout, dtype, rows, out_features, in_features,
@@ -148,13 +165,11 @@ def test_our_packed_kernel_takes_any_shape(layout, dtype, rows, out_features, in
     is dequantized first) and 192-row chunks, features short of its 32-column
     blocks, an odd input (the last one pairs with padding), groups shorter at the end; the packed
     copy replaces the storage. sgemm: the weight dequantized whole for float32 sgemm, as prompts
-    run where that is faster; amx: each block dequantized to bfloat16 for AMX tiles (bfloat16
-    inputs, K a multiple of 32; the others run the tiles)."""
-    if multiply == "amx" and not cpu_kernels.load().has_amx_tiles:
-        pytest.skip("this CPU (or this build) has no AMX tiles")
-    if multiply == "amx" and dtype == torch.float32 and rows > 200:
+    run where that is faster; amx / dot: each block dequantized to bfloat16 for AMX tiles (K a
+    multiple of 32; the others run the tiles) or AVX512-BF16 dot products (bfloat16 inputs)."""
+    if multiply in ("amx", "dot") and dtype == torch.float32 and rows > 200:
         pytest.skip("float32 inputs run the tiles, which 200 rows cover")
-    monkeypatch.setattr(quantized_matmul, "AMX_ROWS", 1 if multiply == "amx" else 0)
+    multiply_bf16_prompts(multiply, monkeypatch)
     monkeypatch.setenv(cpu_gemm.SGEMM_ROWS_ENV, "1" if multiply == "sgemm" else "0")
     monkeypatch.setattr(quantized_matmul, "sgemm_rows_for_this_cpu",  # read it, cache nothing
                         quantized_matmul.sgemm_rows_for_this_cpu.__wrapped__)
@@ -164,12 +179,21 @@ def test_our_packed_kernel_takes_any_shape(layout, dtype, rows, out_features, in
     torch.manual_seed(rows + in_features)
     layer = random_storage(out_features, in_features, *LAYOUTS[layout])
     x = torch.randn(rows, in_features + 2)[:, 1:1 + in_features]  # rows with a stride
-    expected = reference(layer, x, None)
+    # What blocks dequantized to bfloat16 compute: products of x and the weight rounded to
+    # bfloat16 (int8 rows' values are exact in it, their scales applied to the sums), summed in
+    # float32
+    rounded = dtype == torch.bfloat16 and (
+        multiply == "dot" or (multiply == "amx" and in_features % 32 == 0))
+    weight = dequantize(layer.qweight, layer.scales, layer.biases, layer.g_idx, torch.float32)
     got = layer.matmul(x.to(dtype), None)
+    if rounded and layer.fused.row_scales is None:
+        weight = weight.to(dtype).float()
+    expected = F.linear(x.to(dtype).float() if rounded else x, weight)
     assert isinstance(layer.fused, PairBlocks) and layer.qweight.numel() == 0
     assert_packed_params(layer, half)
     assert got.dtype == dtype and got.shape == (rows, out_features)
-    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7 * expected.abs().max().item()
+    tolerance = (1e-5 if dtype == torch.float32 else
+                 2 ** (-8 if rounded else -7) * expected.abs().max().item())
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=1e-4)
 
 
@@ -180,19 +204,18 @@ ACTIVATIONS = {0: F.silu, 1: lambda t: F.gelu(t, approximate="tanh")}  # FUSED_C
 @pytest.mark.parametrize("rows,multiply", [(1, "tiles"), (13, "tiles"), (200, "tiles"),
                                            (200, "sgemm"), (1, "int8"), (13, "int8"),
                                            (40, "int8"), (40, "amx"), (200, "amx"),
-                                           (2400, "amx")])
+                                           (2400, "amx"), (40, "dot"), (2400, "dot")])
 @pytest.mark.parametrize("intermediate,in_features", [(40, 64), (96, 224)])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gated_quantized_weights_apply_act_and_mul_as_the_separate_kernel_does(
         layout, intermediate, in_features, rows, multiply, monkeypatch):
     """[gate; up] packed in pairs of 16 features, every way the kernel multiplies (its float
-    tiles, sgemm on the dequantized weight, int8 inputs, AMX tiles): the same outputs as the
+    tiles, sgemm on the dequantized weight, int8 inputs, AMX tiles or bf16 dot products on
+    blocks dequantized to bfloat16): the same outputs as the
     plain packing, and act(gate) * up bit for bit what the separate act_and_mul kernel makes of
     them, close to the activation of the dequantized matmul; float32 inputs are left to the
     unfused path."""
-    if multiply == "amx" and not cpu_kernels.load().has_amx_tiles:
-        pytest.skip("this CPU (or this build) has no AMX tiles")
-    monkeypatch.setattr(quantized_matmul, "AMX_ROWS", 1 if multiply == "amx" else 0)
+    multiply_bf16_prompts(multiply, monkeypatch)
     monkeypatch.setenv(cpu_gemm.SGEMM_ROWS_ENV, "1" if multiply == "sgemm" else "0")
     monkeypatch.setattr(quantized_matmul, "sgemm_rows_for_this_cpu",
                         quantized_matmul.sgemm_rows_for_this_cpu.__wrapped__)
@@ -285,8 +308,8 @@ def test_int8_inputs_give_quantized_weights_the_int8_math(layout, out_features, 
     """Inputs under int8_rows(bits) rows (decode sizes; every size for 4 bits with AVX512-VNNI)
     quantized per row and group: every group size class, a group of zeros, features short of a
     32-column block, int8 rows wider than ROW_GROUP_SIZE; from int8_rows rows the float math.
-    (AMX tiles, which take bfloat16 inputs from AMX_ROWS rows where the CPU has them, off.)"""
-    monkeypatch.setattr(quantized_matmul, "AMX_ROWS", 0)
+    (bfloat16 inputs multiplied on dequantized blocks, from AMX_ROWS or DOT_ROWS rows, off.)"""
+    multiply_bf16_prompts("tiles", monkeypatch)
     limit = int8_rows(cpu_kernels.load(), INT8_INPUT_LAYOUTS[layout][0])
     if rows >= limit:
         pytest.skip(f"these weights take int8 inputs under {limit} rows")

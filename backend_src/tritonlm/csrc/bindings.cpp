@@ -41,7 +41,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const std::optional<at::Tensor>& groups, int64_t group_size,
                             int64_t out_features, bool gated,
                             const std::optional<at::Tensor>& bias, int64_t activation,
-                            int64_t sgemm_rows, int64_t int8_rows, int64_t amx_rows,
+                            int64_t sgemm_rows, int64_t int8_rows, int64_t bf16_rows, bool amx,
                             const std::optional<at::Tensor>& out);
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a_t, const at::Tensor& b,
                const at::Tensor& rows, const at::Tensor& counts, const at::Tensor& part_cols);
@@ -110,13 +110,14 @@ TRITONLM_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // group_size input features, the last one shorter, a scale and a bias per packed feature:
   // w = q * scale + bias); from sgemm_rows rows (0: never) the weight dequantized whole and
   // multiplied by float32 sgemm; below int8_rows rows 4-bit groups multiply x quantized to int8
-  // per row and group (w4a8); from amx_rows rows (0: never) of bfloat16 x, where K is a multiple
-  // of 32, AMX tiles on each block dequantized to bfloat16 (has_amx_tiles; ahead of the
-  // others); gated and activation as bf16_matmul's (bfloat16 x); needs AVX2 + FMA
-  // (has_bf16_matmul).
+  // per row and group (w4a8); from bf16_rows rows (0: never) of bfloat16 x, each block
+  // dequantized to bfloat16 and multiplied as bf16_matmul's weights: in AMX tiles (amx,
+  // has_amx_tiles; where K is a multiple of 32, other K run the other paths) or by AVX512-BF16
+  // dot products (has_bf16_dot_products), ahead of the others; gated and activation as
+  // bf16_matmul's (bfloat16 x); needs AVX2 + FMA (has_bf16_matmul).
   m.def("quantized_matmul(Tensor x, Tensor packed, Tensor? row_scales, Tensor? groups, "
         "int group_size, int out_features, bool gated=False, Tensor? bias=None, "
-        "int activation=-1, int sgemm_rows=0, int int8_rows=0, int amx_rows=0, "
+        "int activation=-1, int sgemm_rows=0, int int8_rows=0, int bf16_rows=0, bool amx=False, "
         "Tensor(a!)? out=None) -> Tensor");
   // y [T, out] += the LoRA update of x [T, in] (y's dtype) by a_t [slots, in, R] and b [slots,
   // R, out] (float32), in float32: slot s for the tokens rows[s, :counts[s]] (int64); B's rank

@@ -7,7 +7,7 @@
 // 32 (a whole B tile per step; other K run the vector tiles).
 // On 2 Emerald Rapids cores against oneDNN's AMX matmul, which it replaced: see cpu_gemm.py.
 #pragma once
-#include "packed_matmul_tasks.h"
+#include "packed_matmul_dequantized.h"
 
 #if defined(TRITONLM_PACKED_MATMUL) && defined(CPU_CAPABILITY_AVX512) && \
     defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -103,29 +103,9 @@ inline bool amx_takes(int64_t k) {
   return k % (2 * AmxTiles::kStepPairs) == 0 && amx_permitted();
 }
 
-// A quantized weight (Q: its vector multiply, for its layout and dequantization) on a prompt:
-// run_tasks dequantizes each block once into bfloat16 pairs, the layout AMX tiles multiply (int8
-// rows keep their values, exact in bfloat16: the epilogue scales the sums; grouped values are
-// rounded to bfloat16), then multiplies the chunk's rows in AMX tiles.
+// A quantized weight's prompt in AMX tiles, each block dequantized to bfloat16 first.
 template <typename Q>
-struct AmxOnDequantized : Q {
-  using X = uint16_t;  // bfloat16 rows
-  using Dequantized = AmxTiles;
-  static void dequantize(const typename Q::W* w, int64_t pairs, const typename Q::P* groups,
-                         int64_t group_pairs, uint16_t* out) {
-    // [even 0..15, odd 0..15] as bf16 to pairs (even l, odd l)
-    alignas(64) static constexpr uint16_t kInterleave[32] = {
-        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i interleave = _mm512_load_si512(kInterleave);
-    dequantize_block<Q>(w, pairs, groups, group_pairs, [&](int64_t p, int v, __m512 even,
-                                                           __m512 odd) {
-      const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));
-      _mm512_storeu_si512(out + p * kPairElems<uint16_t> + v * 2 * Avx512::kLanes,
-                          _mm512_permutexvar_epi16(interleave, halves));
-    });
-  }
-};
+using AmxOnDequantized = OnDequantized<Q, AmxTiles>;
 
 }  // namespace packed_matmul
 }  // namespace tritonlm

@@ -12,8 +12,9 @@
 // the caller measured float32 sgemm faster (sgemm_rows), the whole weight is dequantized once for
 // it.
 // Below int8_rows rows, grouped weights multiply x quantized to int8 (packed_matmul_int8_dots.h,
-// packed_matmul_vnni_dots.h); from amx_rows rows of bfloat16 x, AMX tiles multiply each block
-// dequantized to bfloat16 (packed_matmul_amx.h).
+// packed_matmul_vnni_dots.h); from bf16_rows rows of bfloat16 x, each block is dequantized to
+// bfloat16 and multiplied as bfloat16 weights are: in AMX tiles (packed_matmul_amx.h) or by
+// AVX512-BF16 dot products (packed_matmul_dequantized.h).
 #include "packed_matmul_amx.h"
 #include "packed_matmul_vnni_dots.h"
 
@@ -88,21 +89,29 @@ Dequant dequant_of(const std::optional<at::Tensor>& row_scales,
 
 // O: the output's element, x's (float, or bfloat16 as uint16_t).
 template <typename O>
-void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4, bool int8_dots, bool amx,
-             const std::optional<at::Tensor>& row_scales,
+void run_for(const at::Tensor& x, const at::Tensor& packed, bool int4, bool int8_dots, bool bf16,
+             bool amx, const std::optional<at::Tensor>& row_scales,
              const std::optional<at::Tensor>& groups, int64_t group_size,
              const std::optional<at::Tensor>& bias, at::Tensor& out, const Shape& shape,
              int64_t activation) {
   using T = std::conditional_t<std::is_same_v<O, float>, float, c10::BFloat16>;
   const int64_t pairs = x.size(1) / 2;
-#ifdef TRITONLM_AMX
+#ifdef TRITONLM_DEQUANTIZED_BF16
   if constexpr (std::is_same_v<O, uint16_t>) {
-    if (amx) {
+    if (bf16) {
       const auto* rows = reinterpret_cast<const uint16_t*>(x.data_ptr());
+      const Dequant dequant = dequant_of(row_scales, groups, group_size, nullptr);
       with_layout(int4, groups, [&](auto type) {
-        run_on<AmxOnDequantized<typename decltype(type)::type>, O>(
-            rows, x.stride(0), packed, pairs, dequant_of(row_scales, groups, group_size, nullptr),
-            bias, out, shape, activation);
+        using Q = typename decltype(type)::type;
+#ifdef TRITONLM_AMX
+        if (amx) {
+          run_on<AmxOnDequantized<Q>, O>(rows, x.stride(0), packed, pairs, dequant, bias, out,
+                                         shape, activation);
+          return;
+        }
+#endif
+        run_on<DotsOnDequantized<Q>, O>(rows, x.stride(0), packed, pairs, dequant, bias, out,
+                                        shape, activation);
       });
       return;
     }
@@ -143,7 +152,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const std::optional<at::Tensor>& groups, int64_t group_size,
                             int64_t out_features, bool gated,
                             const std::optional<at::Tensor>& bias, int64_t activation,
-                            int64_t sgemm_rows, int64_t int8_rows, int64_t amx_rows,
+                            int64_t sgemm_rows, int64_t int8_rows, int64_t bf16_rows, bool amx,
                             const std::optional<at::Tensor>& out) {
   using namespace packed_matmul;
   const auto dtype = x.scalar_type();
@@ -188,14 +197,24 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
               "approximation) on a gated weight and bfloat16 x, got ", activation);
   const int64_t out_cols = activation < 0 ? out_features : half;
   const Shape shape{m, out_features, out_cols, half, blocks, gated};
+  // bfloat16 rows multiplied as bfloat16 weights are: in AMX tiles where K is a multiple of 32
+  // (other K keep the paths below), else by bf16 dot products
 #ifdef TRITONLM_AMX
-  const bool amx = amx_rows > 0 && m >= amx_rows && dtype == at::kBFloat16 && amx_takes(k);
+  const bool amx_fits = !amx || amx_takes(k);
 #else
-  const bool amx = false;
+  TORCH_CHECK(!amx, "quantized_matmul: amx: this build has no AMX tiles");
+  const bool amx_fits = true;
 #endif
-  const bool int8_dots = !amx && groups && m < int8_rows;
+#ifdef TRITONLM_DEQUANTIZED_BF16
+  const bool bf16 = bf16_rows > 0 && m >= bf16_rows && dtype == at::kBFloat16 && amx_fits;
+#else
+  TORCH_CHECK(bf16_rows == 0, "quantized_matmul: bf16_rows: this build has no AVX512-BF16 "
+              "dot products");
+  const bool bf16 = false;
+#endif
+  const bool int8_dots = !bf16 && groups && m < int8_rows;
   // prompts on float inputs: the weight dequantized once, sgemm
-  if (!amx && !int8_dots && sgemm_rows > 0 && m >= sgemm_rows) {
+  if (!bf16 && !int8_dots && sgemm_rows > 0 && m >= sgemm_rows) {
     at::Tensor dense;
     with_layout(int4, groups, [&](auto type) {
       using Mul = typename decltype(type)::type;
@@ -209,11 +228,11 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed,
   if (m == 0) return result;
   const at::Tensor even = k % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
   if (dtype == at::kFloat)
-    run_for<float>(even, packed, int4, int8_dots, amx, row_scales, groups, group_size, bias,
-                   result, shape, activation);
+    run_for<float>(even, packed, int4, int8_dots, bf16, amx, row_scales, groups, group_size,
+                   bias, result, shape, activation);
   else
-    run_for<uint16_t>(even, packed, int4, int8_dots, amx, row_scales, groups, group_size, bias,
-                      result, shape, activation);
+    run_for<uint16_t>(even, packed, int4, int8_dots, bf16, amx, row_scales, groups, group_size,
+                      bias, result, shape, activation);
   return result;
 }
 bool has_vnni_dot_products() { return packed_matmul::kVnniDots; }
@@ -224,7 +243,7 @@ bool has_int4_quads() {
 at::Tensor quantized_matmul(const at::Tensor&, const at::Tensor&,
                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                             int64_t, int64_t, bool, const std::optional<at::Tensor>&, int64_t,
-                            int64_t, int64_t, int64_t, const std::optional<at::Tensor>&) {
+                            int64_t, int64_t, int64_t, bool, const std::optional<at::Tensor>&) {
   TORCH_CHECK(false, "quantized_matmul: built for a CPU without AVX2 + FMA");
 }
 bool has_vnni_dot_products() { return false; }

@@ -45,6 +45,12 @@ VNNI_INT8_ROWS = {4: 1 << 62, 8: 64}
 # / 2.30x, int8 1.13x at 16 rows, 1.73x at 32, 3.0-3.7x from 200). Below, the dequantizing is
 # not shared by enough rows.
 AMX_ROWS = 32
+# Likewise by AVX512-BF16 dot products, where they are the CPU's faster way (2 Zen 5 cores,
+# SmolLM2's 4 matmul shapes at 1 / 8 / 16 / 24 / 32 / 64 / 128 / 512 / 1024 rows, against VNNI int8
+# inputs (int4 g32): 0.48x / 0.78x / 0.92x / 1.08x / 1.23x / 1.58x / 1.67x / 1.23x / 1.34x; int8
+# rows against int8 inputs below 64 rows, float tiles from there: 0.52x at 1 row, 1.08x at 24,
+# 1.05x at 32, 1.8x from 64; bfloat16 weights' own time: 1.01-1.2x from 32 rows).
+DOT_ROWS = 24
 # The groups int8 weights with a scale per row take for int8 inputs: x's scales follow its
 # values over 128 features, not the whole row.
 ROW_GROUP_SIZE = 128
@@ -114,6 +120,17 @@ def int8_rows(kernels, bits: int) -> int:
     return (VNNI_INT8_ROWS if kernels.has_vnni_dot_products else INT8_ROWS)[bits]
 
 
+def dequantized_bf16_rows(kernels) -> tuple[int, bool]:
+    """From how many rows of bfloat16 inputs our kernel dequantizes each block to bfloat16 and
+    multiplies it as bfloat16 weights (0: never), and whether in AMX tiles (else by AVX512-BF16
+    dot products): where either is this CPU's way for bfloat16 weights (cpu_gemm)."""
+    if cpu_gemm.amx_for_this_cpu(kernels):
+        return AMX_ROWS, True
+    if kernels.has_bf16_dot_products and not cpu_gemm.widen_for_this_cpu(kernels):
+        return DOT_ROWS, False
+    return 0, False
+
+
 def _present_groups(scales: torch.Tensor, biases: torch.Tensor | None, g_idx: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The groups that have columns here, renumbered: a tensor-parallel shard of the input
@@ -157,13 +174,12 @@ class PairBlocks(nn.Module):
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
                  g_idx: torch.Tensor, group_size: int, kernels, sgemm_rows: int | None = None,
-                 int8_rows: int = 0, amx_rows: int | None = None, gated: bool = False):
+                 int8_rows: int = 0, gated: bool = False):
         super().__init__()
         self.out_features, self.kernels, self.int8_rows = values.shape[0], kernels, int8_rows
         self.gated = gated
-        # prompts in AMX tiles, each block dequantized to bfloat16 (bfloat16 inputs)
-        self.amx_rows = (AMX_ROWS if cpu_gemm.amx_for_this_cpu(kernels) else 0
-                         ) if amx_rows is None else amx_rows
+        # prompts multiplied as bfloat16 weights, each block dequantized (bfloat16 inputs)
+        self.bf16_rows, self.amx = dequantized_bf16_rows(kernels)
         # prompts: the weight dequantized once and run by float32 sgemm, where that is faster
         # than the kernel's tiles
         self.sgemm_rows = sgemm_rows_for_this_cpu(kernels) if sgemm_rows is None else sgemm_rows
@@ -206,7 +222,7 @@ class PairBlocks(nn.Module):
         out = self.kernels.quantized_matmul(
             flat, self.packed, row_scales, groups, group_size, self.out_features, self.gated,
             bias, -1 if activation is None else activation, self.sgemm_rows, self.int8_rows,
-            self.amx_rows)
+            self.bf16_rows, self.amx)
         return out.view(*x.shape[:-1], -1)
 
 
