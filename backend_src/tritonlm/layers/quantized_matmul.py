@@ -6,8 +6,9 @@
   SmolLM2's int8 matmul shapes 6-12x faster than torch's int8 kernel with float32 inputs,
   1.3-1.5x with bfloat16 ones. With `int8_inputs`, inputs of under `int8_rows` rows (decode
   batches; with AVX512-VNNI, every 4-bit matmul) are quantized to int8 per row and group and
-  multiplied with integer dot products (w4a8, w8a8); on CPUs with AMX, bfloat16 inputs from
-  AMX_ROWS rows (batches, prompts) multiply each block dequantized to bfloat16 in AMX tiles;
+  multiplied with integer dot products (w4a8, w8a8); bfloat16 inputs from AMX_ROWS rows
+  (batches, prompts) multiply each block dequantized to bfloat16 in AMX tiles on CPUs with AMX,
+  from DOT_ROWS rows by AVX512-BF16 dot products where those are the CPU's faster way;
 - CPU otherwise: torch's int4 kernel (groups of 32-256, output rows a multiple of 16) or int8
   kernel (a scale per row), on the storage or a copy in its layout;
 - CUDA with OpenAI Triton installed: our Triton kernel (triton_quant_matmul.py), any layout.
