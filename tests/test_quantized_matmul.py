@@ -143,7 +143,8 @@ def multiply_bf16_prompts(multiply: str, monkeypatch) -> None:
     if multiply == "dot" and not kernels.has_bf16_dot_products:
         pytest.skip("this CPU (or this build) has no AVX512-BF16 dot products")
     monkeypatch.setattr(quantized_matmul, "AMX_ROWS", 1 if multiply == "amx" else 0)
-    monkeypatch.setattr(quantized_matmul, "DOT_ROWS", 1 if multiply == "dot" else 0)
+    monkeypatch.setattr(quantized_matmul, "dot_rows_for_this_cpu",
+                        lambda kernels, bits: 1 if multiply == "dot" else 0)
     if multiply == "dot":  # where AMX tiles or widened FMAs are this CPU's way
         monkeypatch.setattr(cpu_gemm, "amx_for_this_cpu", lambda kernels: False)
         monkeypatch.setattr(cpu_gemm, "widen_for_this_cpu", lambda kernels: False)
@@ -308,7 +309,7 @@ def test_int8_inputs_give_quantized_weights_the_int8_math(layout, out_features, 
     """Inputs under int8_rows(bits) rows (decode sizes; every size for 4 bits with AVX512-VNNI)
     quantized per row and group: every group size class, a group of zeros, features short of a
     32-column block, int8 rows wider than ROW_GROUP_SIZE; from int8_rows rows the float math.
-    (bfloat16 inputs multiplied on dequantized blocks, from AMX_ROWS or DOT_ROWS rows, off.)"""
+    (bfloat16 inputs multiplied on blocks dequantized to bfloat16, AMX's and dot products', off.)"""
     multiply_bf16_prompts("tiles", monkeypatch)
     limit = int8_rows(cpu_kernels.load(), INT8_INPUT_LAYOUTS[layout][0])
     if rows >= limit:
@@ -365,6 +366,21 @@ def test_quantized_prompts_go_to_sgemm_where_measured_faster_unless_forced(monke
     assert rows(None) in (0, cpu_gemm.PROMPT_ROWS)
     with pytest.raises(ValueError, match="row count"):
         rows("many")
+
+
+@pytest.mark.skipif(not OURS, reason="no AVX2 + FMA: torch's kernels run")
+def test_bf16_prompts_on_dequantized_blocks_only_where_this_build_multiplies_bf16(monkeypatch):
+    """Without AMX tiles or AVX512-BF16 dot products (AVX2 builds, Cascade Lake) quantized
+    prompts keep the other paths, and the kernel refuses to be asked for dot products."""
+    kernels = cpu_kernels.load()
+    if kernels.has_bf16_dot_products:
+        pytest.skip("this build multiplies bfloat16 by dot products (the 'dot' tests cover it)")
+    assert quantized_matmul.dequantized_bf16_rows(kernels, 4) == (0, False)
+    layer = random_storage(OUT, IN, 4, 32, False, True, True)
+    layer.matmul(torch.randn(1, IN), None)
+    with pytest.raises(RuntimeError, match="no AVX512-BF16 dot products"):
+        kernels.quantized_matmul(torch.randn(64, IN, dtype=torch.bfloat16), layer.fused.packed,
+                                 None, layer.fused.groups, 32, OUT, bf16_rows=1)
 
 
 @pytest.mark.skipif(not OURS, reason="no AVX2 + FMA: torch's kernels run")

@@ -14,6 +14,7 @@
 - CUDA with OpenAI Triton installed: our Triton kernel (triton_quant_matmul.py), any layout.
 Any other layout dequantizes the weight for each matmul (`QuantizedWeight.forward`)."""
 import functools
+import time
 from collections.abc import Callable
 
 import torch
@@ -46,12 +47,14 @@ VNNI_INT8_ROWS = {4: 1 << 62, 8: 64}
 # / 2.30x, int8 1.13x at 16 rows, 1.73x at 32, 3.0-3.7x from 200). Below, the dequantizing is
 # not shared by enough rows.
 AMX_ROWS = 32
-# Likewise by AVX512-BF16 dot products, where they are the CPU's faster way (2 Zen 5 cores,
-# SmolLM2's 4 matmul shapes at 1 / 8 / 16 / 24 / 32 / 64 / 128 / 512 / 1024 rows, against VNNI int8
-# inputs (int4 g32): 0.48x / 0.78x / 0.92x / 1.08x / 1.23x / 1.58x / 1.67x / 1.23x / 1.34x; int8
-# rows against int8 inputs below 64 rows, float tiles from there: 0.52x at 1 row, 1.08x at 24,
-# 1.05x at 32, 1.8x from 64; bfloat16 weights' own time: 1.01-1.2x from 32 rows).
+# Likewise by AVX512-BF16 dot products, where they are the CPU's faster way and measured faster
+# on a prompt (dot_rows_for_this_cpu). 2 Zen 5 cores, SmolLM2's 4 matmul shapes at 1 / 8 / 16 /
+# 24 / 32 / 64 / 128 / 512 / 1024 rows, against VNNI int8 inputs (int4 g32): 0.48x / 0.78x /
+# 0.92x / 1.08x / 1.23x / 1.58x / 1.67x / 1.23x / 1.34x; int8 rows against int8 inputs below 64
+# rows, float tiles from there: 0.52x at 1 row, 1.08x at 24, 1.05x at 32, 1.8x from 64; bfloat16
+# weights' own time: 1.01-1.2x from 32 rows.
 DOT_ROWS = 24
+DOT_MEASURED_ROWS = 128
 # The groups int8 weights with a scale per row take for int8 inputs: x's scales follow its
 # values over 128 features, not the whole row.
 ROW_GROUP_SIZE = 128
@@ -121,15 +124,45 @@ def int8_rows(kernels, bits: int) -> int:
     return (VNNI_INT8_ROWS if kernels.has_vnni_dot_products else INT8_ROWS)[bits]
 
 
-def dequantized_bf16_rows(kernels) -> tuple[int, bool]:
-    """From how many rows of bfloat16 inputs our kernel dequantizes each block to bfloat16 and
-    multiplies it as bfloat16 weights (0: never), and whether in AMX tiles (else by AVX512-BF16
-    dot products): where either is this CPU's way for bfloat16 weights (cpu_gemm)."""
+def dequantized_bf16_rows(kernels, bits: int) -> tuple[int, bool]:
+    """From how many rows of bfloat16 inputs our kernel dequantizes each block of a `bits`-bit
+    weight to bfloat16 and multiplies it as bfloat16 weights (0: never), and whether in AMX tiles
+    (else by AVX512-BF16 dot products): where either is this CPU's way for bfloat16 weights
+    (cpu_gemm), dot products where they also measured faster than the other paths."""
     if cpu_gemm.amx_for_this_cpu(kernels):
         return AMX_ROWS, True
     if kernels.has_bf16_dot_products and not cpu_gemm.widen_for_this_cpu(kernels):
-        return DOT_ROWS, False
+        return dot_rows_for_this_cpu(kernels, bits), False
     return 0, False
+
+
+@functools.cache
+def dot_rows_for_this_cpu(kernels, bits: int) -> int:
+    """DOT_ROWS where dot products on blocks dequantized to bfloat16 ran a SmolLM2-sized `bits`-bit
+    weight on DOT_MEASURED_ROWS bfloat16 rows over 10% faster than the other paths, measured
+    once per process (a few ms; the same ratio the rows' time made of Zen 5's 1.6-1.9x); else 0."""
+    seeded = torch.Generator().manual_seed(0)
+    x = torch.randn(DOT_MEASURED_ROWS, 576, generator=seeded, dtype=torch.bfloat16)
+    if bits == 8:
+        values = torch.randint(-127, 128, (1536, 576), generator=seeded, dtype=torch.int8)
+        row_scales, groups, group_size = torch.full((1536,), 0.01), None, 576
+    else:
+        values = torch.randint(0, 16, (1536, 576), generator=seeded, dtype=torch.uint8)
+        row_scales, group_size = None, 32
+        groups = _packed_groups(torch.full((1536, 18), 0.01), torch.full((1536, 18), -0.08), False)
+    packed = _packed_values(values, False, kernels)
+
+    def seconds(bf16_rows: int) -> float:
+        start = time.perf_counter()
+        kernels.quantized_matmul(x, packed, row_scales, groups, group_size, 1536, False, None, -1,
+                                 0, int8_rows(kernels, bits), bf16_rows, False)
+        return time.perf_counter() - start
+
+    runs: dict[int, list[float]] = {1: [], 0: []}
+    for _ in range(6):  # interleaved, the first warm-up (as cpu_gemm.measured_sgemm_rows)
+        for bf16_rows, times in runs.items():
+            times.append(seconds(bf16_rows))
+    return DOT_ROWS if min(runs[1][1:]) < 0.9 * min(runs[0][1:]) else 0
 
 
 def _present_groups(scales: torch.Tensor, biases: torch.Tensor | None, g_idx: torch.Tensor
@@ -180,7 +213,8 @@ class PairBlocks(nn.Module):
         self.out_features, self.kernels, self.int8_rows = values.shape[0], kernels, int8_rows
         self.gated = gated
         # prompts multiplied as bfloat16 weights, each block dequantized (bfloat16 inputs)
-        self.bf16_rows, self.amx = dequantized_bf16_rows(kernels)
+        self.bf16_rows, self.amx = dequantized_bf16_rows(
+            kernels, 4 if values.dtype == torch.uint8 else 8)
         # prompts: the weight dequantized once and run by float32 sgemm, where that is faster
         # than the kernel's tiles
         self.sgemm_rows = sgemm_rows_for_this_cpu(kernels) if sgemm_rows is None else sgemm_rows
@@ -188,13 +222,7 @@ class PairBlocks(nn.Module):
         self.group_size = group_size
         four_bits = values.dtype == torch.uint8
         per_row = not four_bits and scales.shape[1] == 1 and biases is None
-        if four_bits and kernels.has_int4_quads:
-            packed = _quad_rows(values, gated)
-        else:
-            packed = cpu_gemm.pack_pair_blocks(values, gated)
-            if four_bits:
-                packed = packed[..., 0] | (packed[..., 1] << 4)
-        self.register_buffer("packed", huge_pages.place(packed))
+        self.register_buffer("packed", huge_pages.place(_packed_values(values, gated, kernels)))
         for name in ("row_scales", "groups", "row_groups"):
             self.register_buffer(name, None)
         if per_row:
@@ -225,6 +253,16 @@ class PairBlocks(nn.Module):
             bias, -1 if activation is None else activation, self.sgemm_rows, self.int8_rows,
             self.bf16_rows, self.amx)
         return out.view(*x.shape[:-1], -1)
+
+
+def _packed_values(values: torch.Tensor, gated: bool, kernels) -> torch.Tensor:
+    """int8 or 4-bit values [out, in] as our kernel reads them (see PairBlocks)."""
+    if values.dtype != torch.uint8:
+        return cpu_gemm.pack_pair_blocks(values, gated)
+    if kernels.has_int4_quads:
+        return _quad_rows(values, gated)
+    packed = cpu_gemm.pack_pair_blocks(values, gated)
+    return packed[..., 0] | (packed[..., 1] << 4)
 
 
 def _quad_rows(values: torch.Tensor, gated: bool) -> torch.Tensor:
