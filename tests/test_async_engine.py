@@ -80,12 +80,33 @@ def test_cancellation_stops_the_request_and_frees_its_blocks(async_engine):
     assert asked_on and "tritonlm-engine" not in asked_on
 
 
+@pytest.mark.parametrize("streams", [1, 32])
+def test_cancellation_questions_are_bounded_per_second_and_one_stream_is_asked_often(streams):
+    """Each is_cancelled() is a round trip through tritonserver: at most CANCEL_POLLS_PER_SECOND
+    a second however many requests are in flight, and a lone request still every
+    CANCEL_POLL_INTERVAL."""
+    ended, asked = threading.Event(), []
+    watch = cancellation_watch.CancellationWatch(ended, lambda ids: None)
+    for index in range(streams):
+        watch.watch(str(index), lambda: asked.append(time.monotonic()) or False)
+    watch.thread.start()
+    time.sleep(2.0)
+    ended.set()
+    watch.thread.join()
+    per_second = cancellation_watch.CANCEL_POLLS_PER_SECOND
+    if streams == 1:
+        assert len(asked) >= 0.5 * 2.0 / cancellation_watch.CANCEL_POLL_INTERVAL
+    else:  # whole sweeps, the last may start just before the end
+        assert streams * 2 <= len(asked) <= 2.0 * per_second + streams
+
+
 def test_cancellation_is_never_asked_once_the_last_output_is_being_sent(async_engine,
                                                                         monkeypatch):
     """Triton frees a request's response factory when its final response is sent; asking
     is_cancelled() after that reads freed memory (tritonserver died with SIGSEGV)."""
     monkeypatch.setattr(cancellation_watch, "CANCEL_POLL_INTERVAL", 0.0005)
     monkeypatch.setattr(cancellation_watch, "CANCEL_POLL_DUTY", 1.0)  # sweep without a pause
+    monkeypatch.setattr(cancellation_watch, "CANCEL_POLLS_PER_SECOND", float("inf"))
     asked_after_final = []
     collectors = []
     for index in range(24):
