@@ -1,9 +1,10 @@
 // A quantized weight (Q: its vector multiply, for its layout and dequantization) multiplied as a
-// bfloat16 weight on a prompt's bfloat16 rows: run_tasks dequantizes each block once into
-// bfloat16 pairs, the packed layout both AMX tiles and AVX512-BF16 dot products multiply (int8
-// rows keep their values, exact in bfloat16: the epilogue scales the sums; grouped values are
-// rounded to bfloat16), then multiplies the chunk's rows by D (AmxTiles, or DotProducts where
-// vdpbf16ps is the CPU's faster way: Zen 4/5).
+// bfloat16 weight on a prompt's bfloat16 rows: run_tasks dequantizes each block into bfloat16
+// pairs (in each chunk's task, or, for AMX tiles past one chunk, the whole weight first), the
+// packed layout both AMX tiles and AVX512-BF16 dot products multiply (int8 rows keep their
+// values, exact in bfloat16: the epilogue scales the sums; grouped values are rounded to
+// bfloat16), then multiplies the chunk's rows by D (AmxTiles, or DotProducts where vdpbf16ps is
+// the CPU's faster way: Zen 4/5).
 #pragma once
 #include "packed_matmul_tasks.h"
 
