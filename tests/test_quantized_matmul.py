@@ -212,10 +212,9 @@ def test_gated_quantized_weights_apply_act_and_mul_as_the_separate_kernel_does(
         layout, intermediate, in_features, rows, multiply, monkeypatch):
     """[gate; up] packed in pairs of 16 features, every way the kernel multiplies (its float
     tiles, sgemm on the dequantized weight, int8 inputs, AMX tiles or bf16 dot products on
-    blocks dequantized to bfloat16): the same outputs as the
-    plain packing, and act(gate) * up bit for bit what the separate act_and_mul kernel makes of
-    them, close to the activation of the dequantized matmul; float32 inputs are left to the
-    unfused path."""
+    blocks dequantized to bfloat16): the same outputs as the plain packing, and act(gate) * up
+    bit for bit what the separate act_and_mul kernel makes of them, close to the activation of
+    the dequantized matmul; float32 inputs are left to the unfused path."""
     multiply_bf16_prompts(multiply, monkeypatch)
     monkeypatch.setenv(cpu_gemm.SGEMM_ROWS_ENV, "1" if multiply == "sgemm" else "0")
     monkeypatch.setattr(quantized_matmul, "sgemm_rows_for_this_cpu",

@@ -139,8 +139,8 @@ def dequantized_bf16_rows(kernels, bits: int) -> tuple[int, bool]:
 @functools.cache
 def dot_rows_for_this_cpu(kernels, bits: int) -> int:
     """DOT_ROWS where dot products on blocks dequantized to bfloat16 ran a SmolLM2-sized `bits`-bit
-    weight on DOT_MEASURED_ROWS bfloat16 rows over 10% faster than the other paths, measured
-    once per process (a few ms; the same ratio the rows' time made of Zen 5's 1.6-1.9x); else 0."""
+    weight on DOT_MEASURED_ROWS bfloat16 rows over 10% faster than the other paths (Zen 5:
+    1.6-1.9x), else 0; measured once per process (~15 ms)."""
     seeded = torch.Generator().manual_seed(0)
     x = torch.randn(DOT_MEASURED_ROWS, 576, generator=seeded, dtype=torch.bfloat16)
     if bits == 8:
