@@ -31,8 +31,10 @@ INT4_OFFSET = 8  # torch's int4 kernel computes w = (q - 8) * scale + zero
 # default max_num_seqs, where the float tiles are bound by widening weights (Zen 1, SmolLM2's 120
 # int4 matmuls, float tiles -> int8: 1 row 11.0 -> 7.2 ms, 15 rows 96 -> 50, 64 rows 275 -> 217,
 # 256 rows 979 -> 769); 8 bits, where int8 dots won (1 row 15.2 -> 10.8 ms, 15 rows 99 -> 76,
-# 64 rows 317 -> 309; 128 rows 594 -> 606). Longer prompts keep float inputs. These are the AVX2
-# integer dots' limits (on AVX512 builds without VNNI too).
+# 64 rows 317 -> 309; 128 rows 594 -> 606). Longer prompts keep float inputs, unless 4-bit
+# prompts measured faster on int8 inputs (int8_prompts_for_this_cpu: a Zen 5 core in the AVX2
+# build, whole int4 prompts of 256 / 512 / 1024 tokens 629 / 895 / 2192 -> 316 / 614 / 1676 ms).
+# These are the AVX2 integer dots' limits (on AVX512 builds without VNNI too).
 INT8_ROWS = {4: 256, 8: 64}
 # With AVX512-VNNI, vpdpbusd dots beat the float tiles and sgemm at every row count (2 Cascade Lake
 # vCPUs, SmolLM2's 120 matmuls, float -> int8 inputs: int4 1 row 8.2 -> 6.6 ms, 32 rows 80 -> 38,
@@ -121,7 +123,48 @@ def sgemm_rows_for_this_cpu(kernels) -> int:
 
 def int8_rows(kernels, bits: int) -> int:
     """Rows below which our kernel multiplies `bits`-bit weights by inputs quantized to int8."""
-    return (VNNI_INT8_ROWS if kernels.has_vnni_dot_products else INT8_ROWS)[bits]
+    if kernels.has_vnni_dot_products:
+        return VNNI_INT8_ROWS[bits]
+    if bits == 4 and int8_prompts_for_this_cpu(kernels):
+        return VNNI_INT8_ROWS[bits]
+    return INT8_ROWS[bits]
+
+
+@functools.cache
+def int8_prompts_for_this_cpu(kernels) -> bool:
+    """Whether 4-bit weights without VNNI ran a SmolLM2-sized prompt (cpu_gemm.PROMPT_ROWS rows)
+    over 10% faster on int8 inputs than on the float path (the tiles, or sgemm where measured
+    faster), once per process."""
+    return _measured_faster(kernels, 4, cpu_gemm.PROMPT_ROWS, {"int8_rows": 1 << 62},
+                            {"int8_rows": INT8_ROWS[4],
+                             "sgemm_rows": sgemm_rows_for_this_cpu(kernels)})
+
+
+def _measured_faster(kernels, bits: int, rows: int, tried: dict, base: dict) -> bool:
+    """Whether quantized_matmul with the `tried` arguments ran over 10% faster than with `base`
+    on `rows` bfloat16 rows times a SmolLM2-sized `bits`-bit weight (int8: a scale per row;
+    4 bits: groups of 32), interleaved as cpu_gemm.measured_sgemm_rows does."""
+    seeded = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 576, generator=seeded, dtype=torch.bfloat16)
+    if bits == 8:
+        values = torch.randint(-127, 128, (1536, 576), generator=seeded, dtype=torch.int8)
+        row_scales, groups, group_size = torch.full((1536,), 0.01), None, 576
+    else:
+        values = torch.randint(0, 16, (1536, 576), generator=seeded, dtype=torch.uint8)
+        row_scales, group_size = None, 32
+        groups = _packed_groups(torch.full((1536, 18), 0.01), torch.full((1536, 18), -0.08), False)
+    packed = _packed_values(values, False, kernels)
+
+    def seconds(arguments: dict) -> float:
+        start = time.perf_counter()
+        kernels.quantized_matmul(x, packed, row_scales, groups, group_size, 1536, **arguments)
+        return time.perf_counter() - start
+
+    runs: list[list[float]] = [[], []]
+    for _ in range(6):  # interleaved: a host's slow moments slow both; the first warms caches
+        for arguments, times in zip((tried, base), runs):
+            times.append(seconds(arguments))
+    return min(runs[0][1:]) < 0.9 * min(runs[1][1:])
 
 
 def dequantized_bf16_rows(kernels, bits: int) -> tuple[int, bool]:
@@ -141,28 +184,9 @@ def dot_rows_for_this_cpu(kernels, bits: int) -> int:
     """DOT_ROWS where dot products on blocks dequantized to bfloat16 ran a SmolLM2-sized `bits`-bit
     weight on DOT_MEASURED_ROWS bfloat16 rows over 10% faster than the other paths (Zen 5:
     1.6-1.9x), else 0; measured once per process (~15 ms)."""
-    seeded = torch.Generator().manual_seed(0)
-    x = torch.randn(DOT_MEASURED_ROWS, 576, generator=seeded, dtype=torch.bfloat16)
-    if bits == 8:
-        values = torch.randint(-127, 128, (1536, 576), generator=seeded, dtype=torch.int8)
-        row_scales, groups, group_size = torch.full((1536,), 0.01), None, 576
-    else:
-        values = torch.randint(0, 16, (1536, 576), generator=seeded, dtype=torch.uint8)
-        row_scales, group_size = None, 32
-        groups = _packed_groups(torch.full((1536, 18), 0.01), torch.full((1536, 18), -0.08), False)
-    packed = _packed_values(values, False, kernels)
-
-    def seconds(bf16_rows: int) -> float:
-        start = time.perf_counter()
-        kernels.quantized_matmul(x, packed, row_scales, groups, group_size, 1536, False, None, -1,
-                                 0, int8_rows(kernels, bits), bf16_rows, False)
-        return time.perf_counter() - start
-
-    runs: dict[int, list[float]] = {1: [], 0: []}
-    for _ in range(6):  # interleaved, the first warm-up (as cpu_gemm.measured_sgemm_rows)
-        for bf16_rows, times in runs.items():
-            times.append(seconds(bf16_rows))
-    return DOT_ROWS if min(runs[1][1:]) < 0.9 * min(runs[0][1:]) else 0
+    paths = {"int8_rows": int8_rows(kernels, bits)}
+    return DOT_ROWS if _measured_faster(kernels, bits, DOT_MEASURED_ROWS,
+                                        {**paths, "bf16_rows": 1}, paths) else 0
 
 
 def _present_groups(scales: torch.Tensor, biases: torch.Tensor | None, g_idx: torch.Tensor
