@@ -123,9 +123,7 @@ def sgemm_rows_for_this_cpu(kernels) -> int:
 
 def int8_rows(kernels, bits: int) -> int:
     """Rows below which our kernel multiplies `bits`-bit weights by inputs quantized to int8."""
-    if kernels.has_vnni_dot_products:
-        return VNNI_INT8_ROWS[bits]
-    if bits == 4 and int8_prompts_for_this_cpu(kernels):
+    if kernels.has_vnni_dot_products or (bits == 4 and int8_prompts_for_this_cpu(kernels)):
         return VNNI_INT8_ROWS[bits]
     return INT8_ROWS[bits]
 
