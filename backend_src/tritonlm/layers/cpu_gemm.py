@@ -93,18 +93,23 @@ def measured_sgemm_rows(make_matmul) -> int:
         if not forced.isdigit():
             raise ValueError(f"{SGEMM_ROWS_ENV} must be a row count (0: never), got {forced!r}")
         return int(forced)
-    matmul = make_matmul()
+    return PROMPT_ROWS if runs_faster(make_matmul(), PROMPT_ROWS, 0) else 0
 
-    def seconds(sgemm_rows: int) -> float:
+
+def runs_faster(call, tried, base) -> bool:
+    """Whether call(tried) runs over 10% faster than call(base): the best of five each, after
+    a warm-up, interleaved (a host's slow moments slow both; the first warms caches and
+    sgemm's threads)."""
+    def seconds(argument) -> float:
         start = time.perf_counter()
-        matmul(sgemm_rows)
+        call(argument)
         return time.perf_counter() - start
 
-    runs: dict[int, list[float]] = {PROMPT_ROWS: [], 0: []}
-    for _ in range(6):  # interleaved: a host's slow moments slow both; the first warms caches
-        for sgemm_rows, times in runs.items():  # (and sgemm's threads)
-            times.append(seconds(sgemm_rows))
-    return PROMPT_ROWS if min(runs[PROMPT_ROWS][1:]) < 0.9 * min(runs[0][1:]) else 0
+    runs: list[list[float]] = [[], []]
+    for _ in range(6):
+        for argument, times in zip((tried, base), runs):
+            times.append(seconds(argument))
+    return min(runs[0][1:]) < 0.9 * min(runs[1][1:])
 
 
 class PairBlockWeight:

@@ -14,7 +14,6 @@
 - CUDA with OpenAI Triton installed: our Triton kernel (triton_quant_matmul.py), any layout.
 Any other layout dequantizes the weight for each matmul (`QuantizedWeight.forward`)."""
 import functools
-import time
 from collections.abc import Callable
 
 import torch
@@ -110,15 +109,29 @@ def sgemm_rows_for_this_cpu(kernels) -> int:
     weight. Apart from bf16's: a prompt's tiles here dequantize each block into a buffer
     before multiplying it, where bf16 tiles widen in registers (Zen 3, 512 rows: bf16 tiles
     131-165 GFLOP/s against sgemm's 124-143; int8 and int4 tiles 73-106 against 109-137)."""
-    def int8_matmul():  # packed here, not by PairBlocks: no region space for a throwaway
-        seeded = torch.Generator().manual_seed(0)
-        values = torch.randint(-127, 128, (1536, 576), generator=seeded, dtype=torch.int8)
-        packed, scales = cpu_gemm.pack_pair_blocks(values), torch.full((1536,), 0.01)
-        x = torch.randn(cpu_gemm.PROMPT_ROWS, 576, generator=seeded, dtype=torch.bfloat16)
-        return lambda sgemm_rows: kernels.quantized_matmul(
-            x, packed, scales, None, 576, 1536, sgemm_rows=sgemm_rows)
+    def int8_matmul():
+        run = _sized_matmul(kernels, 8, cpu_gemm.PROMPT_ROWS)
+        return lambda sgemm_rows: run({"sgemm_rows": sgemm_rows})
 
     return cpu_gemm.measured_sgemm_rows(int8_matmul)
+
+
+def _sized_matmul(kernels, bits: int, rows: int):
+    """quantized_matmul(**arguments) on `rows` bfloat16 rows times a SmolLM2-sized `bits`-bit
+    weight (int8: a scale per row; 4 bits: groups of 32), packed here, not by PairBlocks (no
+    region space for a throwaway), as a function of the arguments, for timing."""
+    seeded = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 576, generator=seeded, dtype=torch.bfloat16)
+    if bits == 8:
+        values = torch.randint(-127, 128, (1536, 576), generator=seeded, dtype=torch.int8)
+        row_scales, groups, group_size = torch.full((1536,), 0.01), None, 576
+    else:
+        values = torch.randint(0, 16, (1536, 576), generator=seeded, dtype=torch.uint8)
+        row_scales, group_size = None, 32
+        groups = _packed_groups(torch.full((1536, 18), 0.01), torch.full((1536, 18), -0.08), False)
+    packed = _packed_values(values, False, kernels)
+    return lambda arguments: kernels.quantized_matmul(x, packed, row_scales, groups, group_size,
+                                                      1536, **arguments)
 
 
 def int8_rows(kernels, bits: int) -> int:
@@ -133,36 +146,10 @@ def int8_prompts_for_this_cpu(kernels) -> bool:
     """Whether 4-bit weights without VNNI ran a SmolLM2-sized prompt (cpu_gemm.PROMPT_ROWS rows)
     over 10% faster on int8 inputs than on the float path (the tiles, or sgemm where measured
     faster), once per process."""
-    return _measured_faster(kernels, 4, cpu_gemm.PROMPT_ROWS, {"int8_rows": 1 << 62},
-                            {"int8_rows": INT8_ROWS[4],
-                             "sgemm_rows": sgemm_rows_for_this_cpu(kernels)})
-
-
-def _measured_faster(kernels, bits: int, rows: int, tried: dict, base: dict) -> bool:
-    """Whether quantized_matmul with the `tried` arguments ran over 10% faster than with `base`
-    on `rows` bfloat16 rows times a SmolLM2-sized `bits`-bit weight (int8: a scale per row;
-    4 bits: groups of 32), interleaved as cpu_gemm.measured_sgemm_rows does."""
-    seeded = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, 576, generator=seeded, dtype=torch.bfloat16)
-    if bits == 8:
-        values = torch.randint(-127, 128, (1536, 576), generator=seeded, dtype=torch.int8)
-        row_scales, groups, group_size = torch.full((1536,), 0.01), None, 576
-    else:
-        values = torch.randint(0, 16, (1536, 576), generator=seeded, dtype=torch.uint8)
-        row_scales, group_size = None, 32
-        groups = _packed_groups(torch.full((1536, 18), 0.01), torch.full((1536, 18), -0.08), False)
-    packed = _packed_values(values, False, kernels)
-
-    def seconds(arguments: dict) -> float:
-        start = time.perf_counter()
-        kernels.quantized_matmul(x, packed, row_scales, groups, group_size, 1536, **arguments)
-        return time.perf_counter() - start
-
-    runs: list[list[float]] = [[], []]
-    for _ in range(6):  # interleaved: a host's slow moments slow both; the first warms caches
-        for arguments, times in zip((tried, base), runs):
-            times.append(seconds(arguments))
-    return min(runs[0][1:]) < 0.9 * min(runs[1][1:])
+    return cpu_gemm.runs_faster(_sized_matmul(kernels, 4, cpu_gemm.PROMPT_ROWS),
+                                {"int8_rows": 1 << 62},
+                                {"int8_rows": INT8_ROWS[4],
+                                 "sgemm_rows": sgemm_rows_for_this_cpu(kernels)})
 
 
 def dequantized_bf16_rows(kernels, bits: int) -> tuple[int, bool]:
@@ -183,8 +170,8 @@ def dot_rows_for_this_cpu(kernels, bits: int) -> int:
     weight on DOT_MEASURED_ROWS bfloat16 rows over 10% faster than the other paths (Zen 5:
     1.6-1.9x), else 0; measured once per process (~15 ms)."""
     paths = {"int8_rows": int8_rows(kernels, bits)}
-    return DOT_ROWS if _measured_faster(kernels, bits, DOT_MEASURED_ROWS,
-                                        {**paths, "bf16_rows": 1}, paths) else 0
+    return DOT_ROWS if cpu_gemm.runs_faster(_sized_matmul(kernels, bits, DOT_MEASURED_ROWS),
+                                            {**paths, "bf16_rows": 1}, paths) else 0
 
 
 def _present_groups(scales: torch.Tensor, biases: torch.Tensor | None, g_idx: torch.Tensor
