@@ -5,10 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tritonlm.layers import cpu_gemm, cpu_kernels, fused_ops, quantized_matmul
+from tritonlm.layers import cpu_gemm, cpu_kernels, fused_ops, quantized_paths
 from tritonlm.layers.mlp import GatedMLP
 from tritonlm.layers.quantization import QuantizedWeight, dequantize, integer_values, pack_int4
-from tritonlm.layers.quantized_matmul import ROW_GROUP_SIZE, Int4Groups, PairBlocks, int8_rows
+from tritonlm.layers.quantized_matmul import ROW_GROUP_SIZE, Int4Groups, PairBlocks
+from tritonlm.layers.quantized_paths import int8_rows
 
 OUT, IN = 80, 224  # int4 groups of 64 and 128 leave a shorter last group
 OURS = getattr(cpu_kernels.load(), "has_bf16_matmul", False)  # else torch's kernels run
@@ -142,8 +143,8 @@ def multiply_bf16_prompts(multiply: str, monkeypatch) -> None:
         pytest.skip("this CPU (or this build) has no AMX tiles")
     if multiply == "dot" and not kernels.has_bf16_dot_products:
         pytest.skip("this CPU (or this build) has no AVX512-BF16 dot products")
-    monkeypatch.setattr(quantized_matmul, "AMX_ROWS", 1 if multiply == "amx" else 0)
-    monkeypatch.setattr(quantized_matmul, "dot_rows_for_this_cpu",
+    monkeypatch.setattr(quantized_paths, "AMX_ROWS", 1 if multiply == "amx" else 0)
+    monkeypatch.setattr(quantized_paths, "dot_rows_for_this_cpu",
                         lambda kernels, bits: 1 if multiply == "dot" else 0)
     if multiply == "dot":  # where AMX tiles or widened FMAs are this CPU's way
         monkeypatch.setattr(cpu_gemm, "amx_for_this_cpu", lambda kernels: False)
@@ -172,8 +173,8 @@ def test_our_packed_kernel_takes_any_shape(layout, dtype, rows, out_features, in
         pytest.skip("float32 inputs run the tiles, which 200 rows cover")
     multiply_bf16_prompts(multiply, monkeypatch)
     monkeypatch.setenv(cpu_gemm.SGEMM_ROWS_ENV, "1" if multiply == "sgemm" else "0")
-    monkeypatch.setattr(quantized_matmul, "sgemm_rows_for_this_cpu",  # read it, cache nothing
-                        quantized_matmul.sgemm_rows_for_this_cpu.__wrapped__)
+    monkeypatch.setattr(quantized_paths, "sgemm_rows_for_this_cpu",  # read it, cache nothing
+                        quantized_paths.sgemm_rows_for_this_cpu.__wrapped__)
     bits, half = LAYOUTS[layout][0], LAYOUTS[layout][-1]
     if bits == 4 and in_features % 2:
         pytest.skip("4-bit storage packs input columns in pairs")
@@ -217,8 +218,8 @@ def test_gated_quantized_weights_apply_act_and_mul_as_the_separate_kernel_does(
     the dequantized matmul; float32 inputs are left to the unfused path."""
     multiply_bf16_prompts(multiply, monkeypatch)
     monkeypatch.setenv(cpu_gemm.SGEMM_ROWS_ENV, "1" if multiply == "sgemm" else "0")
-    monkeypatch.setattr(quantized_matmul, "sgemm_rows_for_this_cpu",
-                        quantized_matmul.sgemm_rows_for_this_cpu.__wrapped__)
+    monkeypatch.setattr(quantized_paths, "sgemm_rows_for_this_cpu",
+                        quantized_paths.sgemm_rows_for_this_cpu.__wrapped__)
     plain, gated = (random_storage(2 * intermediate, in_features, *LAYOUTS[layout], gated=gated)
                     for gated in (False, True) if torch.manual_seed(rows + intermediate))
     weight = dequantize(plain.qweight, plain.scales, plain.biases, plain.g_idx, torch.float32)
@@ -349,7 +350,7 @@ def test_quantized_prompts_go_to_sgemm_where_measured_faster_unless_forced(monke
     """Measured apart from bf16 weights' choice (their tiles widen in registers, these dequantize
     a block into a buffer first), on this CPU, once per process."""
     def rows(forced: str | None) -> int:
-        quantized_matmul.sgemm_rows_for_this_cpu.cache_clear()
+        quantized_paths.sgemm_rows_for_this_cpu.cache_clear()
         if forced is None:
             monkeypatch.delenv(cpu_gemm.SGEMM_ROWS_ENV, raising=False)
         else:
@@ -359,7 +360,7 @@ def test_quantized_prompts_go_to_sgemm_where_measured_faster_unless_forced(monke
             return PairBlocks(integer_values(layer.qweight), layer.scales, None, layer.g_idx,
                               IN, cpu_kernels.load()).sgemm_rows
         finally:
-            quantized_matmul.sgemm_rows_for_this_cpu.cache_clear()
+            quantized_paths.sgemm_rows_for_this_cpu.cache_clear()
 
     assert (rows("0"), rows("64")) == (0, 64)
     assert rows(None) in (0, cpu_gemm.PROMPT_ROWS)
@@ -374,7 +375,7 @@ def test_bf16_prompts_on_dequantized_blocks_only_where_this_build_multiplies_bf1
     kernels = cpu_kernels.load()
     if kernels.has_bf16_dot_products:
         pytest.skip("this build multiplies bfloat16 by dot products (the 'dot' tests cover it)")
-    assert quantized_matmul.dequantized_bf16_rows(kernels, 4) == (0, False)
+    assert quantized_paths.dequantized_bf16_rows(kernels, 4) == (0, False)
     layer = random_storage(OUT, IN, 4, 32, False, True, True)
     layer.matmul(torch.randn(1, IN), None)
     with pytest.raises(RuntimeError, match="no AVX512-BF16 dot products"):

@@ -53,7 +53,7 @@ def _choose(device: torch.device, stored: str | None) -> tuple[str, str]:
 
 def resolve_int8_activations(requested: str, device: torch.device) -> bool:
     """Whether quantized weights multiply inputs quantized to int8 (quantized_activations; the CPU
-    kernel does it for inputs of under quantized_matmul.int8_rows rows)."""
+    kernel does it for inputs of under quantized_paths.int8_rows rows)."""
     if requested != "auto":
         return requested == "int8"
     kernels = cpu_kernels.load() if device.type == "cpu" else None
