@@ -28,7 +28,7 @@ def _quad_rows(values: torch.Tensor, gated: bool) -> torch.Tensor:
 
 
 def packed_groups(scales: torch.Tensor, biases: torch.Tensor | None, gated: bool
-                   ) -> torch.Tensor:
+                  ) -> torch.Tensor:
     """[out, G] scales and biases (None: zeros) as the kernel reads them: [blocks, G, 2, 32],
     float16 where every one is exact in it (GGUF's, our converter's: at 4 bits in groups of
     32, a fifth of the bytes the kernel reads instead of a third), else float32 (GPTQ's biases
