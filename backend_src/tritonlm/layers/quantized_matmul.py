@@ -117,17 +117,16 @@ class PairBlocks(nn.Module):
         super().__init__()
         self.out_features, self.kernels, self.int8_rows = values.shape[0], kernels, int8_rows
         self.gated = gated
+        bits = 4 if values.dtype == torch.uint8 else 8
         # prompts multiplied as bfloat16 weights, each block dequantized (bfloat16 inputs)
-        self.bf16_rows, self.amx = quantized_paths.dequantized_bf16_rows(
-            kernels, 4 if values.dtype == torch.uint8 else 8)
+        self.bf16_rows, self.amx = quantized_paths.dequantized_bf16_rows(kernels, bits)
         # prompts: the weight dequantized once and run by float32 sgemm, where that is faster
         # than the kernel's tiles
         self.sgemm_rows = (quantized_paths.sgemm_rows_for_this_cpu(kernels) if sgemm_rows is None
                            else sgemm_rows)
         self.order, values = _sorted_by_group(values, g_idx)
         self.group_size = group_size
-        four_bits = values.dtype == torch.uint8
-        per_row = not four_bits and scales.shape[1] == 1 and biases is None
+        per_row = bits == 8 and scales.shape[1] == 1 and biases is None
         self.register_buffer("packed", huge_pages.place(
             quantized_packing.packed_values(values, gated, kernels)))
         for name in ("row_scales", "groups", "row_groups"):
