@@ -29,8 +29,10 @@ def test_kernels_built_without_a_feature_pass_the_kernel_tests(switch, flag, att
         [sys.executable, "-c", "from tritonlm.layers import cpu_kernels; "
          f"print(cpu_kernels.load().{attribute})"], env=env, capture_output=True, text=True)
     assert built.stdout.split()[-1:] == [value], built.stderr[-2000:]
+    # Our OpenAI-Triton kernels' tests (run on numpy by Triton's interpreter here) do not touch
+    # the CPU build: 58% of the AVX2 rerun's time, left to the main run.
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          *(str(here / name) for name in tests)],
+                          *(str(here / name) for name in tests), "-k", "not triton"],
                          env=env, cwd=here.parent, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-4000:]
 
