@@ -5,7 +5,6 @@
 // reads what the caller copied into the step's input tensors and writes where the recorded run
 // wrote; a functional op's fresh result is copied into the tensor the recorded run returned,
 // which the later ops (and the caller) hold.
-#include <ATen/ATen.h>
 #include <ATen/ScalarOps.h>
 #include <ATen/TensorIterator.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
