@@ -182,8 +182,9 @@ void run_tasks(const typename Mul::X* xs, int64_t x_stride, const typename Mul::
       const int64_t row_tiles = (rows + kTileRows<M> - 1) / kTileRows<M>;
       // The first tile streams the block from memory; the others compute from cache, so with x
       // in one chunk they pull the next block into L2 meanwhile, a share each, and the memory
-      // does not idle (32 rows: the 30 SmolLM2 layers' matmuls 11.1 -> 10.4 ms on Zen 5).
-      const bool fetch_next = std::is_same_v<M, Mul> && chunks == 1 && row_tiles > 1 &&
+      // does not idle (32 rows: the 30 SmolLM2 layers' matmuls 11.1 -> 10.4 ms on Zen 5). Not
+      // AMX tiles: they leave it to the hardware (packed_matmul_amx.h).
+      const bool fetch_next = std::is_same_v<M, Mul> && !kAmx<M> && chunks == 1 && row_tiles > 1 &&
                               block + 1 < s.blocks;
       constexpr int64_t kPairBytes = kPairElems<W> * sizeof(W);
       const int64_t next_per_pair =
