@@ -59,9 +59,9 @@ struct AmxTiles {
       // Only a lone tile, streaming its block from memory, asks for weights ahead: where a
       // chunk's rows take several tiles, asking for the block into L1 and for the next block
       // into L2 cost more than the hardware's own prefetches (2 cores of an AMX Xeon with 480 MiB
-      // of L3, SmolLM2's 30 layers at 48 / 64 / 70 / 96 / 512 rows: 20.5 / 22.0 / 24.0 / 25.0 /
-      // 96 ms with them, 17.9 / 19.2 / 21.9 / 23.2 / 85 without; session 52 on Emerald Rapids: the
-      // same either way).
+      // of L3, SmolLM2's 30 layers at 48 / 64 / 70 / 96 / 512 rows, interleaved in one process:
+      // 21.7 / 23.5 / 25.6 / 27.3 / 99.5 ms with them, 20.5 / 21.7 / 24.6 / 26.2 / 93.3 without;
+      // session 52 on Emerald Rapids: the same either way).
       if (t.streams)
         for (int64_t q = p; q < p + kStepPairs; ++q) prefetch_ahead(t, q);
       const W* w = t.w + p * kPairElems<W>;
