@@ -43,11 +43,11 @@ def _errors(out: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
 
 
 # rows around the kernel's tiles (AVX512: 12 rows; AVX2: 3 rows whole, 4-6 by half blocks; AMX:
-# 16 and 32) and 192-row chunks; features not multiples of its 32-column blocks; odd inputs (the
+# 16 and 32, and 70 as three tiles of 24, the last reaching back) and 192-row chunks; features not multiples of its 32-column blocks; odd inputs (the
 # last feature pairs with padding)
 @needs_bf16_matmul
 @pytest.mark.parametrize("multiply", MULTIPLY)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 13, 20, 32, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 13, 20, 32, 70, 200])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 33), (7, 1), (100, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_matmul_as_close_as_f_linear(multiply, rows, out_features, in_features, with_bias):
@@ -66,7 +66,7 @@ def test_packed_matmul_as_close_as_f_linear(multiply, rows, out_features, in_fea
 
 @needs_bf16_matmul
 @pytest.mark.parametrize("multiply", MULTIPLY)
-@pytest.mark.parametrize("rows", [1, 13, 200])
+@pytest.mark.parametrize("rows", [1, 13, 70, 200])
 @pytest.mark.parametrize("intermediate", [1536, 40, 16])
 @pytest.mark.parametrize("in_features", [72, 96])
 @pytest.mark.parametrize("with_bias", [False, True])
