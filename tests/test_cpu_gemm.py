@@ -43,8 +43,8 @@ def _errors(out: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
 
 
 # rows around the kernel's tiles (AVX512: 12 rows; AVX2: 3 rows whole, 4-6 by half blocks; AMX:
-# 16 and 32, and 70 as three tiles of 24, the last reaching back) and 192-row chunks; features not multiples of its 32-column blocks; odd inputs (the
-# last feature pairs with padding)
+# 16 and 32, and 70 as three tiles of 24, the last reaching back) and 192-row chunks; features
+# not multiples of its 32-column blocks; odd inputs (the last feature pairs with padding)
 @needs_bf16_matmul
 @pytest.mark.parametrize("multiply", MULTIPLY)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 13, 20, 32, 70, 200])
