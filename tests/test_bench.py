@@ -127,9 +127,13 @@ def test_served_over_grpc_at_several_concurrencies_and_stream_intervals(smollm2_
 def test_a_served_runs_cores_are_told_by_part(smollm2_server):
     """Read from the real server's processes: the engine's threads are found by their name in
     Triton's stub (set on our threads, inherited by its OpenMP workers), the parts add up to
-    no more than the machine, and the engine takes the most."""
+    no more than the machine, and the engine takes the most. Their wait for a core (the kernel's
+    run-queue time) grows by far when busy processes run beside them (each in a session of its
+    own: the kernel may share the CPU out by session first, and the server runs in its own)."""
     import asyncio
     import os
+    import subprocess
+    import sys
 
     import psutil
     from tritonlm.bench.cpu_shares import CpuShares
@@ -137,13 +141,26 @@ def test_a_served_runs_cores_are_told_by_part(smollm2_server):
     from tritonlm.bench.workloads import fixed
     server = next(p for p in psutil.Process(smollm2_server.process.pid).children(recursive=True)
                   if p.name() == "tritonserver")
-    batch = fixed(8, 16, 48, 49152, seed=11)
-    _, cores = CpuShares(server.pid).measure(lambda: asyncio.run(run_load(
-        batch, smollm2_server.grpc_url, "llm", "grpc", 4, None, 0)))
+    shares = CpuShares(server.pid)
+
+    def measure(batch):
+        return shares.measure(lambda: asyncio.run(run_load(
+            batch, smollm2_server.grpc_url, "llm", "grpc", 4, None, 0)))[1:]
+    cores, waiting = measure(fixed(8, 16, 48, 49152, seed=11))
     assert list(cores) == ["tritonserver", "engine", "stub's other threads", "client"]
     assert cores["engine"] > 0.2 and cores["engine"] == max(cores.values()), cores
     assert all(used > 0 for used in cores.values()), cores
-    assert sum(cores.values()) <= len(os.sched_getaffinity(0)) * 1.05, cores
+    machine = len(os.sched_getaffinity(0))
+    assert sum(cores.values()) <= machine * 1.05, cores
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+            for _ in range(2 * machine)]
+    try:
+        _, waiting_beside_busy = measure(fixed(4, 16, 16, 49152, seed=12))
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    assert 0 <= waiting < waiting_beside_busy - 0.3, (waiting, waiting_beside_busy)
 
 
 def test_served_through_the_front_end_against_grpc_run_by_run(smollm2_server, smollm2_repo,
@@ -276,6 +293,8 @@ def test_offline_and_served_in_one_run_starts_its_own_server(smollm2_repo, tmp_p
     assert report["ratios"]["tritonlm served (grpc) concurrency=3"] == pytest.approx(
         runs["tritonlm offline"]["output_tokens_per_s"] / served["output_tokens_per_s"])
     assert (tmp_path / "both.server.log").read_text()  # the server's log is kept beside
+    # its own server's processes are read: the cores by part, the engine's wait for a core
+    assert served["cpu_cores"]["engine"] > 0 and served["engine_waiting"] >= 0, served
 
 
 def test_rounds_alternate_systems_and_never_reuse_cached_prompts(smollm2_server, smollm2_repo,

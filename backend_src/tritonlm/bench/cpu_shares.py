@@ -11,6 +11,11 @@ IPC and the client took ~0.3 of them), so each served figure says what those oth
 - front end: the HTTP front end's process, when one runs;
 - client: this process (the load generator).
 
+Beside them, how many of the engine's threads waited for a core on average (their run-queue time
+from /proc/PID/task/TID/schedstat): where the others take their share in short bursts, each one
+preempts an engine thread, and a parallel region then waits for it (2 AMX Xeon cores, 32 streams
+of a token a response: ~0.3 threads, the served decode step ~1.3x offline's).
+
 Linux only; an empty result elsewhere or once the server is gone."""
 import time
 from pathlib import Path
@@ -19,9 +24,20 @@ import psutil
 
 from tritonlm.thread_names import ENGINE_THREAD
 
+ENGINE_WAITING = "engine threads waiting for a core"
+
 
 def _seconds(times) -> float:
     return times.user + times.system
+
+
+def _run_queue_seconds(pid: int, tid: int) -> float:
+    """Seconds the thread has been runnable without a core (0 where the kernel keeps no
+    schedstat)."""
+    try:
+        return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def _thread_name(pid: int, tid: int) -> str:
@@ -39,15 +55,18 @@ class CpuShares:
         self.server_pid, self.frontend_pid = server_pid, frontend_pid
 
     def snapshot(self) -> dict[str, float]:
+        """CPU seconds by part, and the engine threads' run-queue seconds under ENGINE_WAITING."""
         try:
             server = psutil.Process(self.server_pid)
             parts = {"tritonserver": _seconds(server.cpu_times()), "engine": 0.0,
-                     "stub's other threads": 0.0}
+                     "stub's other threads": 0.0, ENGINE_WAITING: 0.0}
             for stub in server.children():  # the backend stubs, one per model instance
-                engine = sum(t.user_time + t.system_time for t in stub.threads()
-                             if _thread_name(stub.pid, t.id) == ENGINE_THREAD)
-                parts["engine"] += engine
-                parts["stub's other threads"] += _seconds(stub.cpu_times()) - engine
+                engine = [t for t in stub.threads()
+                          if _thread_name(stub.pid, t.id) == ENGINE_THREAD]
+                engine_seconds = sum(t.user_time + t.system_time for t in engine)
+                parts["engine"] += engine_seconds
+                parts["stub's other threads"] += _seconds(stub.cpu_times()) - engine_seconds
+                parts[ENGINE_WAITING] += sum(_run_queue_seconds(stub.pid, t.id) for t in engine)
             if self.frontend_pid is not None:
                 parts["front end"] = _seconds(psutil.Process(self.frontend_pid).cpu_times())
             parts["client"] = _seconds(psutil.Process().cpu_times())
@@ -56,10 +75,12 @@ class CpuShares:
         return parts
 
     def measure(self, run):
-        """run()'s result, and the cores each part used while it ran (empty: not measurable)."""
+        """run()'s result, the cores each part used while it ran (empty: not measurable) and the
+        engine's threads waiting for a core on average (None: not measurable)."""
         before, start = self.snapshot(), time.perf_counter()
         result = run()
         seconds, after = time.perf_counter() - start, self.snapshot()
         if not before or not after or seconds <= 0:
-            return result, {}
-        return result, {part: round((after[part] - before[part]) / seconds, 3) for part in after}
+            return result, {}, None
+        rates = {part: round((after[part] - before[part]) / seconds, 3) for part in after}
+        return result, rates, rates.pop(ENGINE_WAITING)

@@ -88,7 +88,9 @@ def print_cpu_shares(runs: list[dict]) -> None:
     for run in runs:
         if run.get("cpu_cores"):
             parts = ", ".join(f"{part} {used:.2f}" for part, used in run["cpu_cores"].items())
-            print(f"  cores used in {run['system']}: {parts} (of {cores})")
+            waiting = run.get("engine_waiting")
+            waited = "" if waiting is None else f"; engine threads waiting for a core {waiting:.2f}"
+            print(f"  cores used in {run['system']}: {parts} (of {cores}){waited}")
 
 
 def speculation(runs: list[dict], suffix: str) -> dict[str, dict]:
