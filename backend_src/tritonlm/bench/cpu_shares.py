@@ -25,6 +25,7 @@ import psutil
 from tritonlm.thread_names import ENGINE_THREAD
 
 ENGINE_WAITING = "engine threads waiting for a core"
+_SCHEDSTAT = Path("/proc/self/schedstat").exists()  # kernels without schedstats have none
 
 
 def _seconds(times) -> float:
@@ -32,8 +33,8 @@ def _seconds(times) -> float:
 
 
 def _run_queue_seconds(pid: int, tid: int) -> float:
-    """Seconds the thread has been runnable without a core (0 where the kernel keeps no
-    schedstat)."""
+    """Seconds the thread has been runnable without a core (0 once it is gone, or where the
+    kernel keeps no schedstat)."""
     try:
         return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
@@ -83,4 +84,5 @@ class CpuShares:
         if not before or not after or seconds <= 0:
             return result, {}, None
         rates = {part: round((after[part] - before[part]) / seconds, 3) for part in after}
-        return result, rates, rates.pop(ENGINE_WAITING)
+        waiting = rates.pop(ENGINE_WAITING)
+        return result, rates, waiting if _SCHEDSTAT else None
