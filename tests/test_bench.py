@@ -152,6 +152,8 @@ def test_a_served_runs_cores_are_told_by_part(smollm2_server):
     assert all(used > 0 for used in cores.values()), cores
     machine = len(os.sched_getaffinity(0))
     assert sum(cores.values()) <= machine * 1.05, cores
+    if waiting is None:
+        pytest.skip("this kernel keeps no schedstat: no run-queue time to read")
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
             for _ in range(2 * machine)]
     try:
