@@ -233,8 +233,9 @@ def served(args, model_dir: Path, requests: list[BenchRequest], vocab_size: int
                 if shares is None:
                     return timed()
                 summary, cores, waiting = shares.measure(timed)
-                return {**summary, "cpu_cores": cores, "engine_waiting": waiting} if cores \
-                    else summary
+                if not cores:
+                    return summary
+                return {**summary, "cpu_cores": cores, "engine_waiting": waiting}
             return System(label, run, extra)
         # TGI's API streams a response per token: it gets no series for larger intervals
         yield [system(protocol, kind, value, interval) for interval in args.stream_interval
