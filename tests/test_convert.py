@@ -16,7 +16,7 @@ from tokenizers import pre_tokenizers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
                           MistralConfig, MistralForCausalLM)
 from family_check import byte_tokenizer
-from tritonlm.config import EngineConfig
+from tritonlm.config import KV_CACHE_MEMORY_VARIABLE, EngineConfig
 from tritonlm.triton.contract import render_config_pbtxt
 
 from tritonlm_convert.cli import main
@@ -141,7 +141,8 @@ def _console_script() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "tritonlm_convert"]
 
 
-def test_hf_directory_through_the_command_line(tiny, tmp_path):
+def test_hf_directory_through_the_command_line(tiny, tmp_path, monkeypatch):
+    monkeypatch.delenv(KV_CACHE_MEMORY_VARIABLE, raising=False)  # engine.json as written
     source, state = tiny
     result = subprocess.run(
         [*_console_script(), str(source), "--output", str(tmp_path), "--name", "tiny", "--dtype", "bfloat16",
@@ -333,7 +334,8 @@ def test_error_exit_has_no_traceback(tmp_path):
     assert result.stderr == f"tritonlm-convert: error: {tmp_path / 'nope'} does not exist\n"
 
 
-def test_kv_cache_memory_sizes_the_cache(tiny, tmp_path, capsys):
+def test_kv_cache_memory_sizes_the_cache(tiny, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(KV_CACHE_MEMORY_VARIABLE, raising=False)  # conftest's, for the others
     main([str(tiny[0]), "--output", str(tmp_path / "repo"), "--dtype", "float32",
           "--kv-cache-memory", "3MiB"])
     model_dir = tmp_path / "repo" / "llm"
@@ -348,6 +350,17 @@ def test_kv_cache_memory_sizes_the_cache(tiny, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tiny[0]), "--output", str(tmp_path / "other"), "--kv-cache-memory", "lots"])
     assert "not a memory size: 'lots'" in capsys.readouterr().err
+
+
+def test_the_environment_sizes_the_cache_over_engine_json(tiny, tmp_path, monkeypatch):
+    main([str(tiny[0]), "--output", str(tmp_path / "repo"), "--kv-cache-memory", "3MiB"])
+    version = tmp_path / "repo" / "llm" / "1"
+    monkeypatch.setenv(KV_CACHE_MEMORY_VARIABLE, "2 MiB")
+    assert EngineConfig.load(version).kv_cache_memory == 2 << 20
+    assert EngineConfig.load(version, kv_cache_memory=5 << 20).kv_cache_memory == 5 << 20
+    monkeypatch.setenv(KV_CACHE_MEMORY_VARIABLE, "half")
+    with pytest.raises(ValueError, match=f"not a {KV_CACHE_MEMORY_VARIABLE}: 'half'"):
+        EngineConfig.load(version)
 
 
 def test_gpu_memory_utilization_is_recorded_and_checked(tiny, tmp_path, capsys):

@@ -6,7 +6,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForCondition
 
 from family_check import random_prompts, reference_greedy, save_tiny
 from tritonlm import LLM, SamplingParams
-from tritonlm.config import EngineConfig
+from tritonlm.config import KV_CACHE_MEMORY_VARIABLE, EngineConfig
 from tritonlm.engine.kv_cache_sizing import GIB, cuda_kv_cache_budget, profile_steps
 
 
@@ -82,10 +82,11 @@ def test_profile_steps_run_through_the_model_and_leave_the_engine_as_it_was(
     (_tiny_llama, "ngram", 5),  # and a verification step's 8 lookahead slots (ngram's K)
     (_tiny_t5, None, 8)])  # and as many again for the encoder's K/V
 def test_a_cache_the_memory_would_oversize_holds_what_its_sequences_can_use(
-        tmp_path, smollm2_tokenizer, family, speculative, blocks_per_seq):
+        tmp_path, smollm2_tokenizer, family, speculative, blocks_per_seq, monkeypatch):
     """kv_cache_memory's 1 GiB default would hold ~130,000 of these tiny models' blocks: the
     cache gets what max_num_seqs sequences of max_model_len tokens hold at once, and they all
     run to that length together without a preemption."""
+    monkeypatch.delenv(KV_CACHE_MEMORY_VARIABLE, raising=False)  # conftest's, for the others
     from tritonlm_convert.convert import convert
     model_class, config = family(smollm2_tokenizer)
     save_tiny(tmp_path / "hf", model_class, config, smollm2_tokenizer)

@@ -1,6 +1,8 @@
 """Engine settings (`1/engine.json`) and the layout of a converted model directory."""
 import dataclasses
 import json
+import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,6 +11,9 @@ from tritonlm.sampling_params import MAX_LOGPROBS, MAX_SEQUENCES
 
 ENGINE_FILE = "engine.json"
 WEIGHTS_DIR = "weights"
+# The CPU KV cache's bytes, over engine.json's kv_cache_memory (vLLM's VLLM_CPU_KVCACHE_SPACE):
+# sized where the model is deployed, without converting it again
+KV_CACHE_MEMORY_VARIABLE = "TRITONLM_KV_CACHE_MEMORY"
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model dtype
 # What quantized weights multiply on CPU: the float inputs, or (decode batches, short prompts)
@@ -184,6 +189,9 @@ class EngineConfig:
     def load(cls, model_dir: str | Path, **overrides) -> "EngineConfig":
         path = Path(model_dir) / ENGINE_FILE
         values = json.loads(path.read_text()) if path.exists() else {}
+        if os.environ.get(KV_CACHE_MEMORY_VARIABLE):
+            values["kv_cache_memory"] = parse_memory_size(os.environ[KV_CACHE_MEMORY_VARIABLE],
+                                                          KV_CACHE_MEMORY_VARIABLE)
         values.update({k: v for k, v in overrides.items() if v is not None})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(values) - known
@@ -194,6 +202,19 @@ class EngineConfig:
     def save(self, model_dir: str | Path) -> None:
         path = Path(model_dir) / ENGINE_FILE
         path.write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9,
+          "TB": 10 ** 12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_memory_size(text: str, what: str = "memory size") -> int:
+    """'4GiB', '512MB', '1073741824' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match and _UNITS.get(match[2].upper())
+    if unit is None or float(match[1]) * unit < 1:
+        raise ValueError(f"not a {what}: {text!r} (examples: 4GiB, 512MiB, 1000000)")
+    return int(float(match[1]) * unit)
 
 
 def linked_repository(model_dir: Path, directory: Path, **engine_settings) -> Path:

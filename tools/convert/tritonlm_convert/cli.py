@@ -1,9 +1,8 @@
 """Command line: tritonlm-convert SRC --output REPO [options]."""
 import argparse
-import re
 from pathlib import Path
 
-from tritonlm.config import DTYPES, KV_CACHE_DTYPES, QUANTIZED_ACTIVATIONS
+from tritonlm.config import DTYPES, KV_CACHE_DTYPES, QUANTIZED_ACTIVATIONS, parse_memory_size
 
 from .convert import INSTANCE_KINDS, QUANTIZE_BITS, convert
 from .errors import ConversionError
@@ -107,17 +106,11 @@ LIMITS = ("max_concurrent_requests", "max_input_tokens", "max_total_tokens", "qu
           "max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_loras", "max_lora_rank")
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9,
-          "TB": 10 ** 12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
-
-
 def memory_size(text: str) -> int:
-    """'4GiB', '512MB', '1073741824' -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match and _UNITS.get(match[2].upper())
-    if unit is None or float(match[1]) * unit < 1:
-        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (examples: 4GiB, 512MiB, 1000000)")
-    return int(float(match[1]) * unit)
+    try:
+        return parse_memory_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def main(argv: list[str] | None = None) -> None:
