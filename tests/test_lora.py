@@ -1,6 +1,7 @@
 """Multi-LoRA: each adapter's greedy tokens equal the peft library's merged model in
 transformers; a batch mixing adapters and the base model equals each request alone; adapters
 beyond max_loras wait; bad adapters and names are clear errors."""
+import copy
 import json
 import subprocess
 import sys
@@ -140,17 +141,14 @@ def test_two_tensor_parallel_ranks_equal_one(tmp_path, smollm2_tokenizer, family
                                               for n in names]
 
 
-def test_smollm2_with_a_random_adapter_equals_peft_merged(smollm2_repo, tmp_path,
+def test_smollm2_with_a_random_adapter_equals_peft_merged(smollm2_repo, smollm2_hf, tmp_path,
                                                            smollm2_tokenizer):
     """A rank-16 adapter on every linear layer of SmolLM2 (the float32 conversion of the GGUF)
     equals peft's merged model in transformers (loaded from the same GGUF)."""
-    from conftest import linked_repository, smollm2_gguf
-    from transformers import AutoModelForCausalLM
+    from conftest import linked_repository
 
-    def smollm2():
-        path = smollm2_gguf()
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                    dtype=torch.float32).eval()
+    def smollm2():  # peft changes the model it wraps: a copy of the session's
+        return copy.deepcopy(smollm2_hf)
     # PEFT's random B as it is: the text changes but stays text (scaled up, gibberish's logits
     # are near-ties)
     adapter = save_adapter(smollm2(), tmp_path / "tuned", 7, b_scale=1, r=16, lora_alpha=32,
