@@ -19,10 +19,12 @@ if WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // WORKERS))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+from tritonlm.config import KV_CACHE_MEMORY_VARIABLE  # noqa: E402
+
 # Engines the tests start (in process, in tritonserver's stubs, as ranks) get 256 MiB of KV
 # cache unless a test names its size: the 1 GiB default on fresh huge pages took 0.2-14 s each to
 # fault in (the kernel compacting memory for 2 MiB pages), 18% of the suite's time.
-os.environ.setdefault("TRITONLM_KV_CACHE_MEMORY", "256MiB")
+os.environ.setdefault(KV_CACHE_MEMORY_VARIABLE, "256MiB")
 
 import importlib.util  # noqa: E402
 from pathlib import Path  # noqa: E402

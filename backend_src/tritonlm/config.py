@@ -189,9 +189,8 @@ class EngineConfig:
     def load(cls, model_dir: str | Path, **overrides) -> "EngineConfig":
         path = Path(model_dir) / ENGINE_FILE
         values = json.loads(path.read_text()) if path.exists() else {}
-        if os.environ.get(KV_CACHE_MEMORY_VARIABLE):
-            values["kv_cache_memory"] = parse_memory_size(os.environ[KV_CACHE_MEMORY_VARIABLE],
-                                                          KV_CACHE_MEMORY_VARIABLE)
+        if memory := os.environ.get(KV_CACHE_MEMORY_VARIABLE):
+            values["kv_cache_memory"] = parse_memory_size(memory, KV_CACHE_MEMORY_VARIABLE)
         values.update({k: v for k, v in overrides.items() if v is not None})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(values) - known
