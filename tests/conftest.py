@@ -21,10 +21,10 @@ if WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
 
 from tritonlm.config import KV_CACHE_MEMORY_VARIABLE  # noqa: E402
 
-# Engines the tests start (in process, in tritonserver's stubs, as ranks) get 256 MiB of KV
-# cache unless a test names its size: the 1 GiB default on fresh huge pages took 0.2-14 s each to
-# fault in (the kernel compacting memory for 2 MiB pages), 18% of the suite's time.
-os.environ.setdefault(KV_CACHE_MEMORY_VARIABLE, "256MiB")
+# Engines the tests start (in process, in tritonserver's stubs, as ranks) get 64 MiB of KV cache
+# unless a test names its size: under KVM a fresh 2 MiB huge page took 4-15 ms to fault in (the
+# host backing it anew), and the 1 GiB default was 18% of the suite's time, 256 MiB 8%.
+os.environ.setdefault(KV_CACHE_MEMORY_VARIABLE, "64MiB")
 
 import importlib.util  # noqa: E402
 from pathlib import Path  # noqa: E402
