@@ -22,7 +22,7 @@ if WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
 from tritonlm.config import KV_CACHE_MEMORY_VARIABLE  # noqa: E402
 
 # Engines the tests start (in process, in tritonserver's stubs, as ranks) get 64 MiB of KV cache
-# unless a test names its size: under KVM a fresh 2 MiB huge page took 4-15 ms to fault in (the
+# unless a test names its size: under KVM a fresh 2 MiB huge page took 8-15 ms to fault in (the
 # host backing it anew), and the 1 GiB default was 18% of the suite's time, 256 MiB 8%.
 os.environ.setdefault(KV_CACHE_MEMORY_VARIABLE, "64MiB")
 

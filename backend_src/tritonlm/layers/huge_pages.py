@@ -17,7 +17,7 @@ tensors).
 The memory is mapped here rather than taken from malloc, which may hand out pages it has already
 touched (then too small for the advice to matter), and it is advised before anything touches it.
 The KV cache is faulted in when allocated, not during serving: under KVM a fresh 2 MiB page took
-4-15 ms to fault in on the AMX Xeon host (the hypervisor backing it anew), a 1 GiB cache 2-8 s.
+8-15 ms to fault in on the AMX Xeon host (the hypervisor backing it anew), a 1 GiB cache 0.2-14 s.
 """
 import math
 import mmap
