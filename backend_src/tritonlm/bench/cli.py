@@ -7,12 +7,7 @@ next to HF transformers and vLLM on the same requests.
   tritonlm-bench --workload grounded --speculative ngram --offline-concurrency 1 --num-requests 8
 """
 import argparse
-import fcntl
-import os
-import shutil
 import statistics
-import subprocess
-import sys
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -23,30 +18,14 @@ from tritonlm.engine.auto_dtype import resolve_dtype
 from tritonlm.engine.llm_engine import resolve_model_dir
 from tritonlm.engine.model_runner import resolve_device
 from tritonlm.models.loader import load_config
+from tritonlm_convert.once import convert_once
 
 _CACHE = Path.home() / ".cache" / "tritonlm" / "bench"
 
 
 def default_model_dir(dtype: str) -> Path:
     """The embedded SmolLM2, converted once per dtype."""
-    repo = _CACHE / dtype
-    done = repo / "llm" / "1" / WEIGHTS_DIR
-    if done.is_dir():
-        return repo / "llm"
-    _CACHE.mkdir(parents=True, exist_ok=True)
-    with open(_CACHE / f".{dtype}.flock", "w") as flock:
-        fcntl.flock(flock, fcntl.LOCK_EX)  # one conversion at a time; freed if this process dies
-        if not done.is_dir():  # nor after waiting for a run that held the lock
-            # Converted aside and renamed into place: a run cut short leaves no half-written
-            # repository that the check above would take as done.
-            shutil.rmtree(repo, ignore_errors=True)
-            aside = _CACHE / f".{dtype}.converting"
-            shutil.rmtree(aside, ignore_errors=True)  # a run killed while converting
-            converter = Path(sys.executable).parent / "tritonlm-convert"
-            subprocess.run([str(converter), "default", "--output", str(aside), "--dtype", dtype],
-                           check=True)
-            os.rename(aside, repo)
-    return repo / "llm"
+    return convert_once(_CACHE / dtype, "default", "--dtype", dtype)
 
 
 def _int_pair(text: str) -> tuple[int, int]:
