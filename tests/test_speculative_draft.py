@@ -10,6 +10,7 @@ from conftest import hf_greedy, run_convert
 from family_check import random_prompts, reference_greedy, tiny_llama
 from test_speculative import TASKS, assert_all_blocks_free, counters, repeating_prompts
 from tritonlm import LLM, SamplingParams
+from tritonlm.engine.block_manager import BlockManager
 from tritonlm.layers import cpu_kernels
 from tritonlm.layers.shortlist_head import ShortlistHead
 
@@ -141,6 +142,33 @@ def test_long_catch_ups_reach_the_draft_within_the_token_budget(tiny):
     outputs = llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == [reference_greedy(hf, p, 12) for p in prompts]
     assert max(step_tokens) <= 24 and step_tokens.count(24) >= 2, step_tokens
+    drafted, accepted = counters(llm)
+    assert drafted == accepted > 0
+    assert_draft_cache_empty(llm)
+
+
+def test_mirrors_the_draft_cache_cannot_hold_wait_without_proposals(tiny):
+    """The draft's cache is sized by kv_cache_memory as any, not for every speculating sequence
+    at its longest: mirrors that do not fit beside the others let go of their blocks and propose
+    nothing that step. Outputs stay the greedy ones, and the target as its own draft keeps every
+    proposal of the mirrors that come back."""
+    hf, target, _ = tiny
+    llm = speculating(target, target)
+    proposer = llm.engine.scheduler.proposer
+    proposer.blocks = BlockManager(12, 8)  # of the draft's cache's blocks: room for ~2 mirrors
+    steps = []  # (sequences that may speculate, mirrors that proposed)
+    propose = proposer.propose
+
+    def recording(seqs, limits):
+        drafts = propose(seqs, limits)
+        steps.append((sum(limit > 0 for limit in limits), sum(map(bool, drafts.values()))))
+        return drafts
+    proposer.propose = recording
+    prompts = [p + p for p in random_prompts(4, 2000, max_len=20, seed=41)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [reference_greedy(hf, p, 16) for p in prompts]
+    assert any(0 < proposed < speculating for speculating, proposed in steps), steps
     drafted, accepted = counters(llm)
     assert drafted == accepted > 0
     assert_draft_cache_empty(llm)

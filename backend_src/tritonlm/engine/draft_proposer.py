@@ -10,7 +10,7 @@ from tritonlm.config import WEIGHTS_DIR, EngineConfig
 from tritonlm.distributed import parallel_state
 from tritonlm.engine.block_manager import BlockManager
 from tritonlm.engine.kv_cache_sizing import most_blocks_in_use
-from tritonlm.engine.model_runner import ModelRunner
+from tritonlm.engine.model_runner import ModelRunner, resolve_device
 from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.step_plan import SamplingRow, ScheduledChunk, StepPlan
 from tritonlm.models.loader import load_config
@@ -41,9 +41,13 @@ class DraftModelProposer:
             raise ValueError(f"the draft model {draft_dir} is converted for "
                              f"{draft.tensor_parallel_size} ranks: a draft runs on one (convert "
                              "it without --tp)")
-        # Its cache holds every speculating sequence at its longest.
-        draft.num_kv_blocks = most_blocks_in_use(config.speculative_disable_by_batch_size,
-                                                 self.max_len, draft.block_size, self.num_tokens)
+        # On the CPU its cache is sized as any (kv_cache_memory; at most every speculating
+        # sequence at its longest); on a GPU, whose memory the target's cache took, it gets that
+        # most outright. Mirrors that do not fit wait (_fitting).
+        if resolve_device(config.device).type == "cuda":
+            draft.num_kv_blocks = most_blocks_in_use(config.speculative_disable_by_batch_size,
+                                                     self.max_len, draft.block_size,
+                                                     self.num_tokens)
         # One rank, whole, beside the target's first rank (vLLM's draft_tensor_parallel_size 1):
         # the other ranks only run the target's verification plans.
         with parallel_state.as_rank(0, 1):
@@ -67,7 +71,8 @@ class DraftModelProposer:
             self.release(seq_id)
         limits = {seq.seq_id: min(limit, self.num_tokens, self.max_len - seq.num_tokens)
                   for seq, limit in zip(seqs, limits)}
-        active = [self._synced(seq) for seq in seqs if limits[seq.seq_id] > 0]
+        active = self._fitting([self._synced(seq) for seq in seqs if limits[seq.seq_id] > 0],
+                               limits)
         drafts = {mirror.seq_id: [] for mirror in active}
         self._prefill(active)
         plan = StepPlan([self._catch_up(mirror) for mirror in active])
@@ -84,6 +89,21 @@ class DraftModelProposer:
                 plan = self._decode_run(active, min(limits[m.seq_id] - len(drafts[m.seq_id])
                                                     for m in active))
         return drafts
+
+    def _fitting(self, mirrors: list[Sequence], limits: dict[int, int]) -> list[Sequence]:
+        """The mirrors whose catch-up and proposals the cache holds beside the ones before them;
+        the others let go of their blocks and propose nothing this step."""
+        free = self.blocks.num_free_blocks
+        fitting = []
+        for mirror in mirrors:
+            needed = self.blocks.num_missing_blocks(
+                mirror, mirror.num_uncomputed_tokens + limits[mirror.seq_id])
+            if needed <= free:
+                free -= needed
+                fitting.append(mirror)
+            else:
+                self.release(mirror.seq_id)
+        return fitting
 
     def _prefill(self, active: list[Sequence]) -> None:
         """Computes the longest catch-ups (a new mirror's prompt) in steps of their own until
@@ -104,7 +124,7 @@ class DraftModelProposer:
     def _catch_up(self, mirror: Sequence) -> ScheduledChunk:
         """The first step of a proposal: the mirror's tokens not computed yet, then its first
         proposal."""
-        # NOTE: the cache holds every mirror at its longest (see __init__): grow never fails.
+        # NOTE: _fitting left only mirrors whose growth the cache holds: grow never fails.
         new = mirror.num_uncomputed_tokens
         self.blocks.grow(mirror, new)
         # A few tokens to catch up on (the target kept every proposal, then drew one) run as
