@@ -10,7 +10,9 @@ from conftest import hf_greedy, run_convert
 from family_check import random_prompts, reference_greedy, tiny_llama
 from test_speculative import TASKS, assert_all_blocks_free, counters, repeating_prompts
 from tritonlm import LLM, SamplingParams
+from tritonlm.config import KV_CACHE_MEMORY_VARIABLE
 from tritonlm.engine.block_manager import BlockManager
+from tritonlm.engine.kv_cache_sizing import most_blocks_in_use
 from tritonlm.layers import cpu_kernels
 from tritonlm.layers.shortlist_head import ShortlistHead
 
@@ -147,15 +149,19 @@ def test_long_catch_ups_reach_the_draft_within_the_token_budget(tiny):
     assert_draft_cache_empty(llm)
 
 
-def test_mirrors_the_draft_cache_cannot_hold_wait_without_proposals(tiny):
+def test_mirrors_the_draft_cache_cannot_hold_wait_without_proposals(tiny, monkeypatch):
     """The draft's cache is sized by kv_cache_memory as any, not for every speculating sequence
     at its longest: mirrors that do not fit beside the others let go of their blocks and propose
     nothing that step. Outputs stay the greedy ones, and the target as its own draft keeps every
     proposal of the mirrors that come back."""
     hf, target, _ = tiny
+    monkeypatch.setenv(KV_CACHE_MEMORY_VARIABLE, "1MiB")
     llm = speculating(target, target)
     proposer = llm.engine.scheduler.proposer
-    proposer.blocks = BlockManager(12, 8)  # of the draft's cache's blocks: room for ~2 mirrors
+    runner, block_size = proposer.runner, proposer.blocks.block_size
+    assert runner.num_blocks * runner.cache_slots.bytes_per_block() <= 1 << 20
+    assert runner.num_blocks < most_blocks_in_use(16, proposer.max_len, block_size, 3)
+    proposer.blocks = BlockManager(6, block_size)  # of its cache's blocks: ~2 mirrors' room
     steps = []  # (sequences that may speculate, mirrors that proposed)
     propose = proposer.propose
 
