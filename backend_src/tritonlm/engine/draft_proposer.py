@@ -9,8 +9,7 @@ from pathlib import Path
 from tritonlm.config import WEIGHTS_DIR, EngineConfig
 from tritonlm.distributed import parallel_state
 from tritonlm.engine.block_manager import BlockManager
-from tritonlm.engine.kv_cache_sizing import most_blocks_in_use
-from tritonlm.engine.model_runner import ModelRunner, resolve_device
+from tritonlm.engine.model_runner import ModelRunner
 from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.step_plan import SamplingRow, ScheduledChunk, StepPlan
 from tritonlm.models.loader import load_config
@@ -41,13 +40,8 @@ class DraftModelProposer:
             raise ValueError(f"the draft model {draft_dir} is converted for "
                              f"{draft.tensor_parallel_size} ranks: a draft runs on one (convert "
                              "it without --tp)")
-        # On the CPU its cache is sized as any (kv_cache_memory; at most every speculating
-        # sequence at its longest); on a GPU, whose memory the target's cache took, it gets that
-        # most outright. Mirrors that do not fit wait (_fitting).
-        if resolve_device(config.device).type == "cuda":
-            draft.num_kv_blocks = most_blocks_in_use(config.speculative_disable_by_batch_size,
-                                                     self.max_len, draft.block_size,
-                                                     self.num_tokens)
+        # Its cache is sized as any (ModelRunner._size_kv_cache); mirrors that do not fit wait
+        # (_fitting).
         # One rank, whole, beside the target's first rank (vLLM's draft_tensor_parallel_size 1):
         # the other ranks only run the target's verification plans.
         with parallel_state.as_rank(0, 1):

@@ -55,6 +55,7 @@ class ModelRunner:
         self.config = config
         self.ranks = ranks
         self.is_driver = tp.rank == 0
+        self.draft = draft
         self.device = resolve_device(config.device, tp.rank)
         self.dtype = DTYPES[resolve_dtype(config.dtype, self.device, hf_config)]
         self.block_size = config.block_size
@@ -148,17 +149,19 @@ class ModelRunner:
         running sequences can hold at once (the same on every rank)."""
         if self.config.num_kv_blocks:
             return self.config.num_kv_blocks
-        per_block = self.cache_slots.bytes_per_block()
-        if self.device.type != "cuda":
-            budget, source = self.config.kv_cache_memory, f"kv_cache_memory {self.config.kv_cache_memory}"
-        else:
-            budget, source = self._profile_cuda_budget(), "the GPU memory left"
-        if budget < per_block:
-            raise ValueError(f"{source} holds no {per_block}-byte KV block")
         config = self.config
         lookahead = config.speculative_tokens if config.speculative else 0
         most = most_blocks_in_use(config.max_num_seqs, config.max_model_len, self.block_size,
                                   lookahead, self.encoder_decoder)
+        per_block = self.cache_slots.bytes_per_block()
+        if self.device.type != "cuda":
+            budget, source = config.kv_cache_memory, f"kv_cache_memory {config.kv_cache_memory}"
+        elif self.draft:  # the target's cache took the GPU memory left: the most it may need
+            budget, source = most * per_block, "a draft's sequences"
+        else:
+            budget, source = self._profile_cuda_budget(), "the GPU memory left"
+        if budget < per_block:
+            raise ValueError(f"{source} holds no {per_block}-byte KV block")
         num_blocks = min(budget // per_block, most)
         if parallel_state.current().connected:  # ranks measure their own GPUs
             count = torch.tensor([num_blocks], device=self.device)
