@@ -1,6 +1,7 @@
 """tritonlm-serve's command line, error paths and shutdown."""
 import queue
 import signal
+import site
 import subprocess
 import sys
 import time
@@ -10,6 +11,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from conftest import linked_repository
+from tritonlm.ports import free_ports
 from tritonlm.serve import KILL_GRACE, build_command, exit_timeout
 from tritonlm_client.grpc_client import infer_input
 from tritonlm_client._core import request_fields
@@ -67,6 +69,30 @@ def test_model_that_fails_to_load_stops_the_server(bad_repo):
     message = str(err.value)
     assert "exited with code" in message and "before ready" in message
     assert "tritonlm-test: weights missing" in message
+
+
+@pytest.mark.server
+def test_a_stub_under_numpy_2_refuses_the_model_before_any_request(smollm2_repo, tmp_path):
+    """tritonserver 2.51's backend stub builds numpy arrays through a pybind11 older than NumPy 2:
+    under NumPy 2 the first request's string input killed the stub (seen on a GPU machine)."""
+    numpy2 = Path(sys.prefix) / "numpy2"  # tools/setup.sh installs NumPy 2 there
+    assert (numpy2 / "numpy").is_dir(), "run make setup"
+    venv = tmp_path / "venv"  # this venv's packages behind NumPy 2
+    subprocess.run([f"{sys.base_prefix}/bin/python{sys.version_info.major}.{sys.version_info.minor}",
+                    "-m", "venv", "--without-pip", str(venv)], check=True)
+    (Path(site.getsitepackages([str(venv)])[0]) / "numpy2-first.pth").write_text(
+        f"import site, sys; sys.path.insert(0, {str(numpy2)!r}); "
+        f"site.addsitedir({site.getsitepackages()[0]!r})\n")
+    repo = linked_repository(smollm2_repo, tmp_path / "repo", num_kv_blocks=16)
+    http, grpc_port, metrics = free_ports(3)
+    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "tritonlm.serve", "--model-repository",
+                           str(repo), "--no-frontend", "--http-port", str(http), "--grpc-port",
+                           str(grpc_port), "--metrics-port", str(metrics)],
+                          capture_output=True, text=True, timeout=240)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert "reads tensors wrongly under NumPy 2." in output and "install numpy<2" in output, \
+        output[-3000:]
 
 
 def _children(pid: int) -> list[int]:

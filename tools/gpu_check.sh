@@ -14,8 +14,15 @@ mkdir -p "$OUT"
 SECTIONS=${*:-tests memory ttft offline32 offline256 served}
 PY=python3
 SITE=/tmp/tritonlm-site
-$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-    .gpu/whl/*.whl >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+NUMPY1=/tmp/tritonlm-numpy1  # for the served section only: the backend stub needs NumPy 1
+$PY -c "import tarfile; tarfile.open('.gpu/wheels.tar.xz').extractall('/tmp')"
+install_wheels() {  # target, wheels...
+    local target=$1; shift
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$target" "$@" >>"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+}
+install_wheels "$SITE" $(ls /tmp/whl/*.whl | grep -v /numpy-)
+install_wheels "$NUMPY1" /tmp/whl/numpy-*.whl
 export PYTHONPATH="$PWD/backend_src:$PWD/tools/convert:$PWD/client:$SITE"
 export TRITONLM_TEST_TOKENIZER="$PWD/.gpu/tokenizer" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
@@ -112,9 +119,11 @@ fi
 if [[ $SECTIONS == *served* ]]; then
     # The Python backend's stub embeds an interpreter that ignores PYTHONPATH: the same paths go
     # into a .pth file of this interpreter's site-packages.
+    # The machine's NumPy 2 goes behind NumPy 1 there (the stub's pybind11 predates NumPy 2).
     site_packages=$($PY -c 'import site; print(site.getsitepackages()[0])')
-    tr : '\n' <<<"$PYTHONPATH" >"$site_packages/tritonlm-gpu-check.pth"
+    { tr : '\n' <<<"$PYTHONPATH"; echo "import sys; sys.path.insert(0, '$NUMPY1')"; } \
+        >"$site_packages/tritonlm-gpu-check.pth"
     engine max_num_seqs=256
-    bench served 200 --mode serve --protocol grpc --concurrency 1,32,256 --num-requests 256 \
+    bench served 300 --mode serve --protocol grpc --concurrency 1,32,256 --num-requests 256 \
         --input-len 512 --output-len 32
 fi

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Fills .gpu/ (git-excluded) with what tools/gpu_check.sh needs on a GPU machine that has no
 # network and Python 3.12: SmolLM2's tokenizer saved by transformers (the 98 MB GGUF does not fit
-# the device's 64 MiB carry) and the wheels of our dependencies that machine lacks.
+# the device's 64 MiB carry) and, in one xz archive, the wheels of our dependencies that machine
+# lacks, and NumPy 1 for the backend stub (tritonlm.triton.adapter._check_stub_reads_tensors).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >> .git/info/exclude
-mkdir -p .gpu/whl
+rm -rf .gpu/whl && mkdir -p .gpu/whl
 .venv/bin/python -c "
 import importlib.util, pathlib
 from transformers import AutoTokenizer
@@ -16,7 +17,7 @@ AutoTokenizer.from_pretrained(path, gguf_file='SmolLM2-135M-Instruct.Q4_1.gguf')
     --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/whl \
     nvidia-pytriton==0.7.0 tritonclient==2.73.0 gguf==0.19.0 python-rapidjson==1.25 \
-    grpcio==1.85.3 protobuf==6.33.6
+    grpcio==1.85.3 protobuf==6.33.6 numpy==1.26.4
 # The device runs Python 3.12 with its own libpython3.12: nvidia-pytriton's bundled libpython3.13
 # and the other Pythons' backend stubs go (55 -> 39 MB), or .gpu and the tree pass the carry's
 # 64 MiB.
@@ -35,4 +36,16 @@ with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(wheel + ".tmp", "w", zipf
         trimmed.writestr(item, data)
 os.replace(wheel + ".tmp", wheel)
 EOF
+# Stored (uncompressed) wheels under one xz stream: 67 MB of deflated wheels become ~42 MB.
+.venv/bin/python - .gpu/whl/*.whl <<'EOF'
+import os, sys, zipfile
+for wheel in sys.argv[1:]:
+    with zipfile.ZipFile(wheel) as source, \
+            zipfile.ZipFile(wheel + ".tmp", "w", zipfile.ZIP_STORED) as stored:
+        for item in source.infolist():
+            stored.writestr(item, source.read(item), compress_type=zipfile.ZIP_STORED)
+    os.replace(wheel + ".tmp", wheel)
+EOF
+tar -C .gpu -cf - whl | xz -T0 -9 > .gpu/wheels.tar.xz
+rm -r .gpu/whl
 du -sh .gpu

@@ -38,6 +38,9 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 # AutoAWQ's own packing and dequantization, the AWQ tests' reference; its pins (an older torch
 # and transformers, datasets) are for its model zoo, which they do not load.
 "${PIP[@]}" --no-deps autoawq==0.2.9
+# NumPy 2 beside the venv: tests/test_launcher.py puts it in front of the stub's packages, under
+# which tritonserver 2.51's backend stub cannot read tensors (the model must refuse to load).
+[ -d "$VENV/numpy2/numpy" ] || "${PIP[@]}" --no-deps --target "$VENV/numpy2" numpy==2.3.5
 # The published schemas of the custom resources in deploy/ (KEDA, prometheus-operator, Gateway
 # API), which tests/test_deploy_manifests.py validates them against.
 npm install --prefix "$VENV/node" --no-save --no-audit --no-fund --silent @kubernetes-models/keda@2.0.0 \

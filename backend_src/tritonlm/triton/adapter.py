@@ -6,9 +6,12 @@ import gc
 import json
 import logging
 import os
+import sys
 import uuid
 from pathlib import Path
 
+import numpy as np
+import torch
 import triton_python_backend_utils as pb_utils
 
 from tritonlm.engine.async_engine import AsyncEngine
@@ -34,6 +37,7 @@ def _error_response(message: str, code=None) -> "pb_utils.InferenceResponse":
 class TritonPythonModel:
     def initialize(self, args):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        _check_stub_reads_tensors()
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("tritonlm needs model_transaction_policy.decoupled")
@@ -137,6 +141,22 @@ class TritonPythonModel:
         # at every stop. Free them while the stub still runs.
         vars(self).clear()
         gc.collect()
+
+
+def _check_stub_reads_tensors() -> None:
+    """Refuse to load where the backend stub cannot read tensors, instead of dying on a request.
+
+    tritonserver 2.51's stub (nvidia-pytriton 0.7, NGC 24.10) builds its numpy arrays through a
+    pybind11 older than NumPy 2's ABI: under NumPy 2 every array it makes holds the wrong bytes,
+    and the first string input of a request kills the stub in deserialize_bytes_tensor.
+    """
+    probe = torch.arange(1, 5, dtype=torch.int32)
+    read = pb_utils.Tensor.from_dlpack("probe", torch.utils.dlpack.to_dlpack(probe)).as_numpy()
+    if read.tolist() != probe.tolist():
+        raise pb_utils.TritonModelException(
+            f"this tritonserver's Python backend stub reads tensors wrongly under NumPy "
+            f"{np.__version__} (its pybind11 predates NumPy 2: a tensor of {probe.tolist()} read "
+            f"as {read.tolist()}): install numpy<2 in the Python the stub embeds ({sys.prefix})")
 
 
 def _trace_parent(request) -> str | None:
