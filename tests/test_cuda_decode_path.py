@@ -14,6 +14,7 @@ from family_check import assert_matches_transformers, random_prompts, reference_
 from tritonlm import SamplingParams
 from tritonlm.engine import model_runner
 from tritonlm.engine.decode_graphs import DecodeGraphs, batch_buckets
+from tritonlm.engine.decode_run import CUDA_DECODE_RUN
 from tritonlm.engine.model_runner import ModelRunner
 from tritonlm.engine.step_plan import ScheduledChunk
 from tritonlm.layers import triton_paged_attention
@@ -66,9 +67,9 @@ def graphed(monkeypatch):
     batches = []
     run = DecodeGraphs.run
 
-    def counting_run(graphs, chunks, **options):
+    def counting_run(graphs, chunks, *args, **options):
         batches.append(len(chunks))
-        return run(graphs, chunks, **options)
+        return run(graphs, chunks, *args, **options)
     monkeypatch.setattr(DecodeGraphs, "run", counting_run)
     return batches
 
@@ -78,7 +79,8 @@ def test_graph_buffers_give_transformers_tokens(tmp_path, smollm2_tokenizer, gra
     model_class, config_class, settings = MODELS[model]
     config = config_class(**settings, vocab_size=len(smollm2_tokenizer))
     llm, hf, _ = assert_matches_transformers(tmp_path, model_class, config, smollm2_tokenizer,
-                                             num_prompts=3, new_tokens=6, max_num_seqs=4)
+                                             num_prompts=3, new_tokens=6, max_num_seqs=4,
+                                             num_scheduler_steps=CUDA_DECODE_RUN)
     runner = llm.engine.runner
     assert runner.kv_cache.layer(0).key.shape[0] == runner.num_blocks + 1  # the scratch block
     assert {1, 3} <= set(graphed)  # alone, and the three batched (bucket 4: one padding row)

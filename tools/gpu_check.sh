@@ -119,10 +119,12 @@ fi
 if [[ $SECTIONS == *served* ]]; then
     # The Python backend's stub embeds an interpreter that ignores PYTHONPATH: the same paths go
     # into a .pth file of this interpreter's site-packages.
-    # The machine's NumPy 2 goes behind NumPy 1 there (the stub's pybind11 predates NumPy 2).
+    # The machine's NumPy 2 goes behind NumPy 1 there (the stub's pybind11 predates NumPy 2), and
+    # its SciPy and scikit-learn, built for NumPy 2, out of transformers' sight.
     site_packages=$($PY -c 'import site; print(site.getsitepackages()[0])')
-    { tr : '\n' <<<"$PYTHONPATH"; echo "import sys; sys.path.insert(0, '$NUMPY1')"; } \
-        >"$site_packages/tritonlm-gpu-check.pth"
+    { tr : '\n' <<<"$PYTHONPATH"
+      echo "import sys; sys.path.insert(0, '$NUMPY1'); sys.modules.update(scipy=None, sklearn=None)"
+    } >"$site_packages/tritonlm-gpu-check.pth"
     engine max_num_seqs=256
     bench served 300 --mode serve --protocol grpc --concurrency 1,32,256 --num-requests 256 \
         --input-len 512 --output-len 32
