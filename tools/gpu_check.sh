@@ -125,7 +125,7 @@ if [[ $SECTIONS == *served* ]]; then
     { tr : '\n' <<<"$PYTHONPATH"
       echo "import sys; sys.path.insert(0, '$NUMPY1'); sys.modules.update(scipy=None, sklearn=None)"
     } >"$site_packages/tritonlm-gpu-check.pth"
-    engine max_num_seqs=256
+    engine max_num_seqs=256 max_concurrent_requests=256
     bench served 300 --mode serve --protocol grpc --concurrency 1,32,256 --num-requests 256 \
         --input-len 512 --output-len 32
 fi
