@@ -344,3 +344,16 @@ def test_roofline_counts_the_matmul_flops_of_transformers_linear_layers(tmp_path
           "--output-len", "4", "--roofline"])
     printed = capsys.readouterr().out
     assert "of the measured matmul peak" in printed and "batch-1 decode:" in printed
+
+
+def test_kernel_profile_tables_each_scenario(tmp_path, smollm2_tokenizer, capsys):
+    from tritonlm.bench import kernel_profile
+    _, repo = tiny_llama(tmp_path, smollm2_tokenizer)
+    kernel_profile.main(["--model", str(repo), "--prompt-len", "40", "--decode-tokens", "6",
+                         "--batch", "3", "--batch-prompt-len", "20", "--batch-tokens", "4"])
+    printed = capsys.readouterr().out
+    sections = printed.split("=== ")[1:]
+    assert [s.split(":")[0] for s in sections] == ["prompt", "decode", "batch"]
+    assert sections[0].startswith("prompt: 1 x 40 prompt tokens, 1 output tokens")
+    assert sections[2].startswith("batch: 3 x 20 prompt tokens, 12 output tokens")
+    assert all("aten::" in s for s in sections)  # each its table of the ops that ran

