@@ -106,14 +106,16 @@ class PagedAttention(nn.Module):
                 getattr(self.position_bias, "slopes", None), self.sliding_window or 0, out)
         elif meta.prefill_token_index is not None:
             q_rows = q[meta.prefill_token_index]  # [Bp, Qp, Hq, D]
-            keys, values = self.kv.gather(meta.prefill_blocks, q.dtype)
+            # Rows for every query head: CUDA's memory-efficient SDPA takes a mask but not
+            # enable_gqa, which would leave the math kernel (every score materialized).
+            group = self.num_heads // self.num_kv_heads
+            keys, values = self.kv.gather(meta.prefill_blocks.repeat_interleave(group, 1), q.dtype)
             mask = meta.prefill_mask
             if self.position_bias is not None:  # [Bp, Qp, H, L] -> [Bp, H, Qp, L]
                 bias = self.position_bias(meta.prefill_distance).transpose(1, 2)
                 mask = bias.masked_fill(~mask, float("-inf")).to(q.dtype)
             o = F.scaled_dot_product_attention(q_rows.transpose(1, 2), keys, values,
-                                               attn_mask=mask, scale=self.scale,
-                                               enable_gqa=True).transpose(1, 2)
+                                               attn_mask=mask, scale=self.scale).transpose(1, 2)
             valid = meta.prefill_token_valid
             out[meta.prefill_token_index[valid]] = o[valid]
         return self.kv.unrotate(out)
