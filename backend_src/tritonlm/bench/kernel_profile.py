@@ -57,10 +57,10 @@ def run(llm: LLM, name: str, prompts: list[list[int]], params: SamplingParams,
         _synchronize(device)
     events = prof.key_averages()
     key = "self_device_time_total" if on_cuda else "self_cpu_time_total"
-    kernel_us = sum(getattr(e, key) for e in events)
+    op_us = sum(getattr(e, key) for e in events)
     tokens = len(prompts) * params.max_tokens
     return (f"=== {name}: {len(prompts)} x {len(prompts[0])} prompt tokens, {tokens} output "
-            f"tokens: {wall * 1e3:.1f} ms wall unprofiled; {kernel_us / 1e3:.1f} ms of "
+            f"tokens: {wall * 1e3:.1f} ms wall unprofiled; {op_us / 1e3:.1f} ms of "
             f"{'device' if on_cuda else 'CPU'} time profiled\n"
             + events.table(sort_by=key, row_limit=row_limit))
 
