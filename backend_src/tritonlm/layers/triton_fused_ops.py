@@ -19,6 +19,7 @@ ACTIVATIONS = (0, 1)  # silu, gelu with the tanh approximation (layers/activatio
 # 16-bit dtype into a 16-bit multiply, which the GPU would then fuse with the add after it into
 # one fma, rounding once where Hugging Face's ops round twice.
 UNFUSED = {"enable_fp_fusion": False}
+ARGMAX_CHUNK = 4096  # logits per program of argmax_logsumexp (a 128k vocabulary: 32 a row)
 
 
 @functools.cache
@@ -105,42 +106,62 @@ def _kernels():
         tl.store(vc_ptr + row * stride_c + offs, v, mask=mask)
 
     @triton.jit
-    def argmax_logsumexp_kernel(logits_ptr, tokens_ptr, lse_ptr, V, stride,
-                                BLOCK: tl.constexpr):
-        """torch.argmax (the first maximum; the first NaN if any) and torch.logsumexp of a row,
-        in two passes over it."""
-        row = tl.program_id(0)
+    def argmax_logsumexp_part_kernel(logits_ptr, max_ptr, index_ptr, nan_ptr, sum_ptr, V, stride,
+                                     PARTS, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """One chunk of a row in one pass: its maximum, the first index holding it, its first
+        NaN, and the sum of exp(logit - maximum) (a running sum rescaled as the maximum grows)."""
+        row, part = tl.program_id(0), tl.program_id(1)
         offs = tl.arange(0, BLOCK)
         best = tl.full((BLOCK,), float("-inf"), tl.float32)
         best_index = tl.full((BLOCK,), 2147483647, tl.int32)
         first_nan = tl.full((BLOCK,), 2147483647, tl.int32)
-        for start in range(0, V, BLOCK):
+        total = tl.zeros((BLOCK,), tl.float32)
+        for start in range(part * CHUNK, part * CHUNK + CHUNK, BLOCK):
             index = start + offs
             v = tl.load(logits_ptr + row * stride + index, mask=index < V,
                         other=float("-inf")).to(tl.float32)
             first_nan = tl.minimum(first_nan, tl.where(v != v, index, 2147483647))
-            better = v > best  # each lane keeps its first maximum
+            better = v > best  # each lane keeps its first maximum; NaN is never better
             best_index = tl.where(better | ((v == best) & (best_index == 2147483647)), index,
                                   best_index)
-            best = tl.where(better, v, best)
+            grown = tl.where(better, v, best)
+            empty = grown == float("-inf")
+            total = tl.where(empty, 0.0, total * tl.exp(best - grown) + tl.exp(v - grown))
+            best = grown
         largest = tl.max(best, axis=0)
-        token = tl.min(tl.where(best == largest, best_index, 2147483647), axis=0)
-        nan_index = tl.min(first_nan, axis=0)
-        total = tl.zeros((BLOCK,), tl.float32)
+        lane_sums = tl.where(best == float("-inf"), 0.0, total * tl.exp(best - largest))
+        out = row * PARTS + part
+        tl.store(max_ptr + out, largest)
+        tl.store(index_ptr + out, tl.min(tl.where(best == largest, best_index, 2147483647), axis=0))
+        tl.store(nan_ptr + out, tl.min(first_nan, axis=0))
+        tl.store(sum_ptr + out, tl.sum(lane_sums, axis=0))
+
+    @triton.jit
+    def argmax_logsumexp_kernel(max_ptr, index_ptr, nan_ptr, sum_ptr, tokens_ptr, lse_ptr, PARTS,
+                                BLOCK: tl.constexpr):
+        """torch.argmax (the first maximum; the first NaN if any) and torch.logsumexp of a row
+        from its chunks' parts (chunks hold ascending indices: the first chunk at the maximum
+        holds its first index)."""
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < PARTS
+        at = row * PARTS + offs
+        maxima = tl.load(max_ptr + at, mask=mask, other=float("-inf"))
+        largest = tl.max(maxima, axis=0)
+        token = tl.min(tl.load(index_ptr + at, mask=mask & (maxima == largest),
+                               other=2147483647), axis=0)
+        nan_index = tl.min(tl.load(nan_ptr + at, mask=mask, other=2147483647), axis=0)
         finite = (largest > float("-inf")) & (largest < float("inf"))
-        if finite:
-            for start in range(0, V, BLOCK):
-                index = start + offs
-                v = tl.load(logits_ptr + row * stride + index, mask=index < V,
-                            other=float("-inf")).to(tl.float32)
-                total += tl.exp(v - largest)
-        lse = tl.where(finite, largest + tl.log(tl.sum(total, axis=0)), largest)
+        sums = tl.load(sum_ptr + at, mask=mask, other=0.0)
+        scaled = tl.where(maxima > float("-inf"), sums * tl.exp(maxima - largest), 0.0)
+        lse = tl.where(finite, largest + tl.log(tl.sum(scaled, axis=0)), largest)
         has_nan = nan_index < 2147483647
         tl.store(tokens_ptr + row, tl.where(has_nan, nan_index, token).to(tl.int64))
         tl.store(lse_ptr + row, tl.where(has_nan, float("nan"), lse))
 
     return triton, {"rms_norm": rms_norm_kernel, "act_and_mul": act_and_mul_kernel,
                     "rotary": rotary_kernel, "write_kv": write_kv_kernel,
+                    "argmax_logsumexp_part": argmax_logsumexp_part_kernel,
                     "argmax_logsumexp": argmax_logsumexp_kernel}
 
 
@@ -234,7 +255,16 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = logits.shape[0]
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    if rows:
-        kernels["argmax_logsumexp"][(rows,)](logits, tokens, lse, logits.shape[1],
-                                             logits.stride(0), BLOCK=1024)
+    if rows:  # a row's chunks in parallel: one program scanning a 128k vocabulary took 85 us
+        vocab = logits.shape[1]
+        parts = triton.cdiv(vocab, ARGMAX_CHUNK)
+        maxima, sums = (torch.empty(rows, parts, dtype=torch.float32, device=logits.device)
+                        for _ in range(2))
+        indices, nans = (torch.empty(rows, parts, dtype=torch.int32, device=logits.device)
+                         for _ in range(2))
+        kernels["argmax_logsumexp_part"][(rows, parts)](
+            logits, maxima, indices, nans, sums, vocab, logits.stride(0), parts,
+            CHUNK=ARGMAX_CHUNK, BLOCK=1024)
+        kernels["argmax_logsumexp"][(rows,)](maxima, indices, nans, sums, tokens, lse, parts,
+                                             BLOCK=triton.next_power_of_2(parts))
     return tokens, lse
