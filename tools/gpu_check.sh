@@ -16,6 +16,10 @@ SECTIONS=${*:-tests features memory ttft offline32 offline256 profile served}
 PY=python3
 SITE=/tmp/tritonlm-site
 NUMPY1=/tmp/tritonlm-numpy1  # for the served section only: the backend stub needs NumPy 1
+# The served section's .pth (below) in this interpreter's site-packages; a warm machine still has
+# the last call's, which would give every other section NumPy 1.
+PTH=$($PY -c 'import site; print(site.getsitepackages()[0])')/tritonlm-gpu-check.pth
+rm -f "$PTH"
 $PY -c "import tarfile; tarfile.open('.gpu/wheels.tar.xz').extractall('/tmp')"
 install_wheels() {  # target, wheels...
     local target=$1; shift
@@ -132,13 +136,12 @@ if [[ $SECTIONS == *profile* ]]; then  # kernel tables: a 2k prompt, batch-1 dec
 fi
 if [[ $SECTIONS == *served* ]]; then
     # The Python backend's stub embeds an interpreter that ignores PYTHONPATH: the same paths go
-    # into a .pth file of this interpreter's site-packages.
-    # The machine's NumPy 2 goes behind NumPy 1 there (the stub's pybind11 predates NumPy 2), and
-    # its SciPy and scikit-learn, built for NumPy 2, out of transformers' sight.
-    site_packages=$($PY -c 'import site; print(site.getsitepackages()[0])')
+    # into a .pth file of this interpreter's site-packages, with NumPy 1 in front of the machine's
+    # NumPy 2 (the stub's pybind11 predates NumPy 2) and the machine's SciPy and scikit-learn,
+    # built for NumPy 2, out of transformers' sight.
     { tr : '\n' <<<"$PYTHONPATH"
       echo "import sys; sys.path.insert(0, '$NUMPY1'); sys.modules.update(scipy=None, sklearn=None)"
-    } >"$site_packages/tritonlm-gpu-check.pth"
+    } >"$PTH"
     engine max_num_seqs=256 max_concurrent_requests=256
     bench served 300 --mode serve --protocol grpc --concurrency 1,32,256 --num-requests 256 \
         --input-len 512 --output-len 32
