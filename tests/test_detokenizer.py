@@ -58,3 +58,21 @@ def test_held_back_text_is_released_when_it_cannot_become_a_stop(smollm2_tokeniz
     output = smollm2_tokenizer.encode("Hello, world! The answer is 42.")
     deltas = stream(smollm2_tokenizer, [], output, stop=["worldwide"])
     assert "".join(deltas) == smollm2_tokenizer.decode(output)
+
+
+@pytest.mark.parametrize("group", [3, 1000])
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokens_added_in_groups_decode_as_the_whole(smollm2_tokenizer, text, group):
+    """Text with no stop strings to watch is decoded when output is due (a non-streamed request:
+    once, at the end): several new tokens at a time, cut anywhere in a character."""
+    prompt = smollm2_tokenizer.encode("Translate: ")
+    output = smollm2_tokenizer.encode(text)
+    detok = IncrementalDetokenizer(smollm2_tokenizer.backend_tokenizer, prompt, True, [], False)
+    deltas = []
+    for end in range(group, len(output) + group, group):
+        final = end >= len(output)
+        assert not detok.add_tokens(prompt + output[:end], final=final)
+        assert not detok.add_tokens(prompt + output[:end], final=final)  # nothing new: no-op
+        deltas.append(detok.take_delta(finished=final))
+    assert "".join(deltas) == smollm2_tokenizer.decode(output, skip_special_tokens=True)
+    assert all("\ufffd" not in d for d in deltas)

@@ -26,6 +26,8 @@ class IncrementalDetokenizer:
         """Extend the text with the sequence's latest tokens; True if a stop string matched.
 
         Until `final`, text ending in an incomplete UTF-8 sequence waits for the next token."""
+        if self.read_offset == len(token_ids):
+            return False
         prefix = self._decode(token_ids[self.prefix_offset:self.read_offset])
         full = self._decode(token_ids[self.prefix_offset:])
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):

@@ -69,12 +69,18 @@ class RequestState:
         return not self.needs_fork and all(s.is_finished for s in self.seqs)
 
     def on_new_token(self, seq: Sequence) -> str | None:
-        """Detokenize `seq`'s latest token; the stop string that ended it, if one did."""
-        start = time.perf_counter()
+        """The stop string that `seq`'s latest token completed, if one did. Text without stop
+        strings to watch waits for the next output (non-streamed: one decode at the end)."""
         detokenizer = self.detokenizers[seq.index]
-        stopped = detokenizer.add_tokens(seq.token_ids, final=seq.is_finished)
+        if not detokenizer.stop:
+            return None
+        return detokenizer.matched_stop if self._detokenize(seq) else None
+
+    def _detokenize(self, seq: Sequence) -> bool:
+        start = time.perf_counter()
+        stopped = self.detokenizers[seq.index].add_tokens(seq.token_ids, final=seq.is_finished)
         self.timeline.detokenize_seconds += time.perf_counter() - start
-        return detokenizer.matched_stop if stopped else None
+        return stopped
 
     def output(self) -> RequestOutput | None:
         """Deltas since the last call; best_of > n reports only once, the n best at the end."""
@@ -121,6 +127,7 @@ class RequestState:
         logprobs = None
         if seq.params.logprobs is not None:
             logprobs = self.logprob_entries(seq.logprobs[sent:])
+        self._detokenize(seq)
         return SequenceOutput(index, self.detokenizers[seq.index].take_delta(seq.is_finished),
                               seq.output_token_ids[sent:], seq.finish_reason, seq.stop_reason,
                               seq.num_output_tokens, seq.cumulative_logprob, logprobs)
