@@ -4,8 +4,8 @@ unfused ops round to the model dtype is rounded here too; the math in float32).
 
 Unfused, a decode step's layer is some thirty small kernels (RMSNorm alone: a cast, a square, a
 mean, an add, an rsqrt, two multiplies and a cast back); at small batches each costs a launch's
-few microseconds on the GPU, far more than the bytes it moves. Fused, each op is one kernel.
-Under TRITON_INTERPRET=1 they also run on CPU tensors (the tests).
+few microseconds on the GPU, far more than the bytes it moves. Fused, each op is one kernel
+(the greedy argmax two: a row's chunks in parallel, then their merge). Under TRITON_INTERPRET=1 they also run on CPU tensors (the tests).
 """
 import functools
 
@@ -249,7 +249,7 @@ def write_kv_(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tenso
 
 
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.argmax and torch.logsumexp (float32) of each row of logits [S, V], in one kernel."""
+    """torch.argmax and torch.logsumexp (float32) of each row of logits [S, V], in one pass."""
     _rows(logits, "argmax_logsumexp: logits")
     triton, kernels = _kernels()
     rows = logits.shape[0]
