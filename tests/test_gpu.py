@@ -121,11 +121,11 @@ def replays(monkeypatch):
     sizes = []
     run = DecodeGraphs.run
 
-    def counting(graphs, chunks, *step_and_ids):
+    def counting(graphs, chunks, *args, **options):
         bucket = next(b for b in graphs.buckets if b >= len(chunks))
         if (bucket, False) in graphs.graphs:
             sizes.append(len(chunks))
-        return run(graphs, chunks, *step_and_ids)
+        return run(graphs, chunks, *args, **options)
     monkeypatch.setattr(DecodeGraphs, "run", counting)
     return sizes
 
