@@ -23,32 +23,24 @@ AutoTokenizer.from_pretrained(path, gguf_file='SmolLM2-135M-Instruct.Q4_1.gguf')
     annotated-types==0.8.0 typing-inspection==0.4.5 \
     openai==3.60.0 jiter==0.19.0 sniffio==1.3.1 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 \
     jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
-# The device runs Python 3.12 with its own libpython3.12: nvidia-pytriton's bundled libpython3.13
-# and the other Pythons' backend stubs go (55 -> 39 MB), or .gpu and the tree pass the carry's
-# 64 MiB.
-.venv/bin/python - .gpu/whl/nvidia_pytriton-*.whl <<'EOF'
+# One pass over the wheels: stored (uncompressed) for the one xz stream below (67 MB of deflated
+# wheels become ~42 MB), and nvidia-pytriton trimmed to the device's Python 3.12, which has its
+# own libpython3.12: the bundled libpython3.13 and the other Pythons' backend stubs go, or .gpu
+# and the tree pass the carry's 64 MiB.
+.venv/bin/python - .gpu/whl/*.whl <<'EOF'
 import os, re, sys, zipfile
 drop = re.compile(r"libpython3-[^/]*\.so|python_backend_stubs/3\.(8|9|10|11|13)/")
-wheel = sys.argv[1]
-with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(wheel + ".tmp", "w", zipfile.ZIP_DEFLATED,
-                                                         compresslevel=9) as trimmed:
-    for item in source.infolist():
-        if drop.search(item.filename):
-            continue
-        data = source.read(item)
-        if item.filename.endswith(".dist-info/RECORD"):
-            data = b"\n".join(line for line in data.split(b"\n") if not drop.search(line.decode()))
-        trimmed.writestr(item, data)
-os.replace(wheel + ".tmp", wheel)
-EOF
-# Stored (uncompressed) wheels under one xz stream: 67 MB of deflated wheels become ~42 MB.
-.venv/bin/python - .gpu/whl/*.whl <<'EOF'
-import os, sys, zipfile
 for wheel in sys.argv[1:]:
     with zipfile.ZipFile(wheel) as source, \
             zipfile.ZipFile(wheel + ".tmp", "w", zipfile.ZIP_STORED) as stored:
         for item in source.infolist():
-            stored.writestr(item, source.read(item), compress_type=zipfile.ZIP_STORED)
+            if drop.search(item.filename):
+                continue
+            data = source.read(item)
+            if item.filename.endswith(".dist-info/RECORD"):
+                data = b"\n".join(line for line in data.split(b"\n")
+                                  if not drop.search(line.decode()))
+            stored.writestr(item, data, compress_type=zipfile.ZIP_STORED)
     os.replace(wheel + ".tmp", wheel)
 EOF
 tar -C .gpu -cf - whl | xz -T0 -9 > .gpu/wheels.tar.xz
