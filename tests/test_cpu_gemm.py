@@ -110,6 +110,24 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(multiply, gated):
 
 
 @needs_bf16_matmul
+@pytest.mark.parametrize("multiply", ["amx", "dot", "fma"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_prompts_rows_are_the_rows_one_at_a_time(multiply, gated):
+    """Past one 192-row chunk AMX tiles write each tile's outputs during the next tile's dot
+    products, and each thread its last tile's at the end of its share: every row, in every
+    block (the last one partial), with its bias and activation, comes out as computed alone."""
+    torch.manual_seed(5)
+    weight = torch.randn(200 if gated else 100, 192, dtype=torch.bfloat16) / 14
+    bias = torch.randn(weight.shape[0], dtype=torch.bfloat16)
+    packed = _packed(weight, multiply, gated)
+    x = torch.randn(450, 192, dtype=torch.bfloat16)
+    activation = 0 if gated else None
+    alone = torch.cat([packed.matmul(x[i:i + 1], bias, activation) for i in range(len(x))])
+    for rows in (193, 230, 450):
+        assert torch.equal(packed.matmul(x[:rows], bias, activation), alone[:rows]), rows
+
+
+@needs_bf16_matmul
 @pytest.mark.parametrize("multiply", MULTIPLY)
 def test_packed_matmul_takes_leading_dims_and_refuses_a_foreign_weight(multiply):
     weight = torch.randn(64, 48, dtype=torch.bfloat16)

@@ -71,6 +71,7 @@ struct Tile {
   bool streams;      // the task's only tile: its weights come from memory
   const char* next;  // weights this tile pulls into L2 as it goes (see run_tasks), or null
   int64_t next_bytes_per_pair;
+  bool prompt;  // one of a prompt's many tiles (rows past one chunk): AMX tiles defer its epilogue
 };
 
 // Asks for the weights ahead of pair row p: into L1, into L2 where the tile streams them from

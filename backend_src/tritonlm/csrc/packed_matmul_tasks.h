@@ -210,7 +210,7 @@ void run_tasks(const typename Mul::X* xs, int64_t x_stride, const typename Mul::
                       M::kIntegerDots ? d.x_scales + 2 * r * groups_per_block : nullptr,
                       bs ? bs + low : nullptr, bs ? bs + low + half : nullptr,
                       out_row + low, out_row + low + half, s.out_cols, cols_low, cols_high,
-                      row_tiles == 1, next, next_per_pair});
+                      row_tiles == 1, next, next_per_pair, chunks > 1});
       }
     };
     if constexpr (requires { typename Mul::Dequantized; }) {  // a prompt in AMX tiles
