@@ -49,11 +49,7 @@ struct AmxTiles {
       alignas(64) float sums[R][kBlock];  // row r: its 16 low features' sums, then the high ones'
       dot_products<R>(t, [] {});
       store_sums<R>(sums);
-      const Epilogue<AmxTiles, O> out(t);
-      for (int r = 0; r < R; ++r) {
-        __m512 acc[2] = {_mm512_load_ps(sums[r]), _mm512_load_ps(sums[r] + 16)};
-        out.template write<kAct>(acc, r);
-      }
+      write_outputs<kAct>(t, sums, 0, R);
       return;
     }
     Pending& before = pending();
@@ -158,13 +154,21 @@ struct AmxTiles {
     }
   };
 
+  // Rows [begin, end) of a tile's outputs from its sums.
   template <int kAct>
-  static void write_rows(const Pending& p, int begin, int end) {
-    const Epilogue<AmxTiles, O> out(p.t);
+  __attribute__((always_inline)) static void write_outputs(const Tile<AmxTiles, O>& t,
+                                                           const float (*sums)[kBlock],
+                                                           int begin, int end) {
+    const Epilogue<AmxTiles, O> out(t);
     for (int r = begin; r < end; ++r) {
-      __m512 acc[2] = {_mm512_load_ps(p.sums[r]), _mm512_load_ps(p.sums[r] + 16)};
+      __m512 acc[2] = {_mm512_load_ps(sums[r]), _mm512_load_ps(sums[r] + 16)};
       out.template write<kAct>(acc, r);
     }
+  }
+
+  template <int kAct>
+  static void write_rows(const Pending& p, int begin, int end) {
+    write_outputs<kAct>(p.t, p.sums, begin, end);
   }
 
   static Pending& pending() {
