@@ -225,6 +225,15 @@ def test_decode_steps_run_as_programs_with_transformers_tokens(
     assert [o.token_ids for o in outputs] == [reference_greedy(hf, p, 3 + 2 * i)
                                               for i, p in enumerate(prompts)]
     assert recorded_sizes(llm) == [1, 2, 3, 4, 5]
+    # Past 8 rows a step runs as the next multiple of 8, its padding rows writing to and
+    # attending over the scratch block no sequence owns.
+    prompts = random_prompts(11, config.vocab_size, seed=2)
+    params = [SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True)
+              for i in range(11)]
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [reference_greedy(hf, p, 2 + i)
+                                              for i, p in enumerate(prompts)]
+    assert recorded_sizes(llm) == [1, 2, 3, 4, 5, 6, 7, 8, 16]
 
 
 def test_unrecordable_models_and_spent_memory_decode_eagerly(

@@ -279,11 +279,11 @@ class ModelRunner:
         self._forward_setup(plan)
         graphs = self.decode_graphs
         decodes = graphs is not None and graphs.covers(plan.chunks)
-        # CPU programs (exact sizes) run adapter steps too, from tensors kept per size; CUDA
-        # graphs were captured without adapters
+        # CPU programs run adapter steps too, from tensors kept per program size; CUDA graphs
+        # were captured without adapters
         programs = decodes and self.device.type == "cpu"
         uses_lora = self.lora is not None and self.lora.prepare(
-            plan.chunks, len(plan.chunks) if programs else None)
+            plan.chunks, graphs.bucket(len(plan.chunks)) if programs else None)
         if decodes and (programs or not uses_lora):
             sampling = [i for i, c in enumerate(plan.chunks) if c.sampling is not None]
             return (graphs.run(plan.chunks, lora=uses_lora),
