@@ -40,8 +40,7 @@ def program_buckets(max_num_seqs: int) -> list[int]:
     step, recorded, takes 30-60 ms more than its replays (SmolLM2, 256 random requests on 2 AMX
     Xeon cores: every size recorded, 135 of them, 13.9-15.5 s of an 89-99 s run; in multiples
     of 8, 25 recorded in 2.4 s, the run 85 s; of 4, 42 in 4.0 s, 83 s)."""
-    sizes = set(range(1, min(8, max_num_seqs) + 1)) | set(range(8, max_num_seqs, 8))
-    return sorted(sizes | {max_num_seqs})
+    return sorted(set(batch_buckets(max_num_seqs)) | set(range(1, min(8, max_num_seqs) + 1)))
 
 
 class DecodeGraphs:
@@ -101,7 +100,7 @@ class DecodeGraphs:
         """The hidden states [len(chunks), hidden] of a step `covers` accepts; `step` > 0: the
         step that many after the chunks' in a decode run, its input ids on the device; `lora`:
         the step's adapters are set in the layers' batch, in buffers kept for this size (CPU
-        programs, whose sizes are exact)."""
+        programs)."""
         bucket = self.bucket(len(chunks))
         self._fill(chunks, bucket, step, input_ids)
         key = (bucket, lora)
