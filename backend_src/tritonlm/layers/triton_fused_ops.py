@@ -5,7 +5,8 @@ unfused ops round to the model dtype is rounded here too; the math in float32).
 Unfused, a decode step's layer is some thirty small kernels (RMSNorm alone: a cast, a square, a
 mean, an add, an rsqrt, two multiplies and a cast back); at small batches each costs a launch's
 few microseconds on the GPU, far more than the bytes it moves. Fused, each op is one kernel
-(the greedy argmax two: a row's chunks in parallel, then their merge). Under TRITON_INTERPRET=1 they also run on CPU tensors (the tests).
+(the greedy argmax two: a row's chunks in parallel, then their merge). Under TRITON_INTERPRET=1
+they also run on CPU tensors (the tests).
 """
 import functools
 
