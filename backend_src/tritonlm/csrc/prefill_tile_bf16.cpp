@@ -20,7 +20,12 @@ bool multiplies_in_amx(const std::string& forced);  // bf16_matmul.cpp
 
 namespace {
 
-constexpr int kRows = 4;  // query rows scored and accumulated together (register tiles)
+// Query rows scored and accumulated together, and the 16-feature vectors of P.V each call
+// accumulates: 16 accumulators either way. Each staged key or value vector is read for 8 rows
+// (2 Zen 4 cores, SmolLM2's heads, 2,048 queries over 4,096 keys / 512 over 512: 0.89x / 0.81x
+// the time of 4 rows by 4 vectors; 16 rows by 1 vector 1.02x / 0.96x).
+constexpr int kRows = 8;
+constexpr int kCols = 2;
 
 inline __m512bh broadcast_pair(const uint16_t* p) {
   uint32_t pair;
@@ -102,27 +107,27 @@ inline void score_rows(const uint16_t* q, int64_t D, const uint32_t* keys, __m51
   for (int r = 0; r < kRows; ++r) out[r] = _mm512_add_ps(even[r], odd[r]);
 }
 
-// acc[r, 16m : 16m + 16 kC] = acc * alpha[r] + P[r] . V over the chunk's row pairs, m from m0.
-template <int kC>
+// acc[r, 16m : 16m + 16 kCols] = acc * alpha[r] + P[r] . V over the chunk's row pairs, m from
+// m0.
 inline void accumulate_rows(float* acc, int64_t D, const float* alpha, const uint16_t* probs,
                             const uint16_t* values, int64_t pairs, int64_t m0) {
-  __m512 a[kRows][kC];
+  __m512 a[kRows][kCols];
   for (int r = 0; r < kRows; ++r) {
     const __m512 scale = _mm512_set1_ps(alpha[r]);
-    for (int c = 0; c < kC; ++c)
+    for (int c = 0; c < kCols; ++c)
       a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + (m0 + c) * 16), scale);
   }
   for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh v[kC];
-    for (int c = 0; c < kC; ++c)
+    __m512bh v[kCols];
+    for (int c = 0; c < kCols; ++c)
       v[c] = (__m512bh)_mm512_loadu_si512(values + p * 2 * D + (m0 + c) * 32);
     for (int r = 0; r < kRows; ++r) {
       const __m512bh pp = broadcast_pair(probs + r * 16 + 2 * p);
-      for (int c = 0; c < kC; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], pp, v[c]);
+      for (int c = 0; c < kCols; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], pp, v[c]);
     }
   }
   for (int r = 0; r < kRows; ++r) {
-    for (int c = 0; c < kC; ++c) _mm512_storeu_ps(acc + r * D + (m0 + c) * 16, a[r][c]);
+    for (int c = 0; c < kCols; ++c) _mm512_storeu_ps(acc + r * D + (m0 + c) * 16, a[r][c]);
   }
 }
 
@@ -275,17 +280,9 @@ void attend_tile_bf16(const c10::BFloat16* q_, int64_t q_token_stride,
       score_rows(s.q.data() + g0 * D, D, s.keys.data(), scores);
       for (int k = 0; k < kRows; ++k)
         alpha[k] = softmax_row(g0 + k, scores[k], s.probs.data() + k * 16);
-      for (int64_t m0 = 0; m0 < D / 16; m0 += 4) {
-        float* acc = s.acc.data() + g0 * D;
-        const int64_t pairs = (n + 1) / 2;
-        switch (std::min<int64_t>(4, D / 16 - m0)) {  // D / 16 is even
-          case 4:
-            accumulate_rows<4>(acc, D, alpha, s.probs.data(), s.values.data(), pairs, m0);
-            break;
-          default:
-            accumulate_rows<2>(acc, D, alpha, s.probs.data(), s.values.data(), pairs, m0);
-        }
-      }
+      for (int64_t m0 = 0; m0 < D / 16; m0 += kCols)  // D / 16 is even
+        accumulate_rows(s.acc.data() + g0 * D, D, alpha, s.probs.data(), s.values.data(),
+                        (n + 1) / 2, m0);
     }
   }
   for (int64_t row = 0; row < rows; ++row) {
