@@ -18,12 +18,13 @@ namespace tritonlm {
 namespace {
 
 constexpr int64_t kTile = 16;  // queries per task
-// Query rows scored and accumulated together (register tiles), and the most vectors of features
-// P.V accumulates at once (16 accumulators). AVX-512: 8 rows, so that scoring runs 8 FMA chains
-// (2 Zen 4 cores, float32, SmolLM2's heads / Llama-shaped ones, 512-4,096 keys: 0.83-0.92x the
-// time of 4 rows); AVX2: 4 rows (8 rows by 1 vector measured level in the AVX2 build).
+// Query rows scored and accumulated together (register tiles), P.V taking 2 vectors of features
+// at a time: 16 accumulators on AVX-512, 8 in AVX2's 16 registers. AVX-512: 8 rows, so that
+// scoring runs 8 FMA chains (2 Zen 4 cores, float32, SmolLM2's heads / Llama-shaped ones, 512-4,096
+// keys: 0.83-0.92x the time of 4 rows by 4 vectors); AVX2: 4 rows (the AVX2 build on Zen 4: 4 by
+// 2 vectors 0.90-0.99x the time of 4 by 4, whose 16 accumulators spilled; 8 rows by 1 level).
 constexpr int64_t kGroup = W == 16 ? 8 : 4;
-constexpr int kMaxCols = 16 / kGroup;
+constexpr int kCols = 2;
 
 // Per thread. Query rows (i * G + g) are padded to a multiple of kGroup, features to a multiple
 // of W (zeros), so every vector load is whole.
@@ -71,13 +72,11 @@ inline void accumulate_group(float* acc, const float* alpha, const float* probs,
 
 inline void accumulate(float* acc, const float* alpha, const float* probs, const float* values,
                        int64_t n, int64_t Dp) {
-  for (int64_t c0 = 0; c0 < Dp; c0 += kMaxCols * W) {
-    switch (std::min<int64_t>(kMaxCols, (Dp - c0) / W)) {
-      case 4: accumulate_group<4>(acc, alpha, probs, values, n, Dp, c0); break;
-      case 3: accumulate_group<3>(acc, alpha, probs, values, n, Dp, c0); break;
-      case 2: accumulate_group<2>(acc, alpha, probs, values, n, Dp, c0); break;
-      default: accumulate_group<1>(acc, alpha, probs, values, n, Dp, c0);
-    }
+  for (int64_t c0 = 0; c0 < Dp; c0 += kCols * W) {
+    if (Dp - c0 >= kCols * W)
+      accumulate_group<kCols>(acc, alpha, probs, values, n, Dp, c0);
+    else
+      accumulate_group<1>(acc, alpha, probs, values, n, Dp, c0);  // Dp is a multiple of W
   }
 }
 
