@@ -107,8 +107,8 @@ inline void score_rows(const uint16_t* q, int64_t D, const uint32_t* keys, __m51
   for (int r = 0; r < kRows; ++r) out[r] = _mm512_add_ps(even[r], odd[r]);
 }
 
-// acc[r, 16m : 16m + 16 kCols] = acc * alpha[r] + P[r] . V over the chunk's row pairs, m from
-// m0.
+// From m = m0: acc[r, 16m : 16m + 16 kCols] = acc * alpha[r] + P[r] . V over the chunk's row
+// pairs.
 inline void accumulate_rows(float* acc, int64_t D, const float* alpha, const uint16_t* probs,
                             const uint16_t* values, int64_t pairs, int64_t m0) {
   __m512 a[kRows][kCols];
